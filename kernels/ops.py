@@ -1,0 +1,63 @@
+"""The op table the model calls: picks the Triton kernel for CUDA tensors and the torch reference otherwise.
+
+Every function here has the signature and semantics of its namesake in ``kernels/reference.py``.
+``Backend`` is an object (not module state) so two engines in one process can choose differently,
+e.g. a test forcing the reference path on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+def triton_available() -> bool:
+    """True when Triton imports and a CUDA device is present (or TRITON_INTERPRET=1 is set for tests)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Which implementation each op uses. ``use_triton`` False means the plain-torch reference everywhere."""
+
+    use_triton: bool
+
+    @staticmethod
+    def for_device(device: torch.device | str, force_reference: bool = False) -> "Backend":
+        dev = torch.device(device)
+        return Backend(use_triton=(dev.type == "cuda" and not force_reference and triton_available()))
+
+    @property
+    def impl(self):
+        if self.use_triton:
+            from kernels import triton_ops
+            return triton_ops
+        return reference
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return self.impl.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x):
+        return self.impl.silu_and_mul(x)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache):
+        return self.impl.rotary_embedding(positions, q, k, cos_sin_cache)
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping):
+        return self.impl.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+        return self.impl.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        return self.impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+    def w4a16_matmul(self, x, qweight, scales, zeros, group_size, perm=None):
+        return self.impl.w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
