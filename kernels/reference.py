@@ -108,8 +108,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = gather_kv(k_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = gather_kv(v_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_i, k) * scale  # [H, q_len, ctx]
-        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-        k_pos = torch.arange(ctx)[None, :]
+        q_pos = torch.arange(ctx - q_len, ctx, device=scores.device)[:, None]
+        k_pos = torch.arange(ctx, device=scores.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

@@ -1,0 +1,119 @@
+"""Pagoda's command line: ``serve`` (default) the UI + OpenAI API, ``fetch`` a model, ``quantize`` a model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import fields
+
+from engine.config import EngineArgs
+from engine.request import EngineError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Engine flags under vLLM's names (--max-model-len, --gpu-memory-utilization, ...)."""
+    defaults = EngineArgs()
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="catalog id (models.yaml) or a local model folder")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default=defaults.device, help="auto, cpu or cuda[:N]")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, choices=[8, 16, 32])
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_prefix_caching)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_chunked_prefill)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    parser.add_argument("--gpu-memory-limit", default=None, help="absolute GPU budget, e.g. 20GiB")
+    parser.add_argument("--kv-cache-memory", default=None, help="explicit KV cache size, e.g. 512MiB (CPU default 256MiB)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.serving.server import build_server
+
+    app = build_server(engine_args_from(ns), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"),
+                       host=ns.host, port=ns.port)
+    print(f"Pagoda serving on http://{ns.host}:{ns.port}  (OpenAI API at http://{ns.host}:{ns.port}/v1)", flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=3)
+    return 0
+
+
+def cmd_fetch(ns: argparse.Namespace) -> int:
+    from engine.catalog import Catalog, fetch
+
+    catalog = Catalog.load()
+    entry = catalog.get(ns.model)
+    if entry is None:
+        raise EngineError(f"unknown catalog id {ns.model!r}; known: {', '.join(sorted(catalog.entries))}")
+    path = fetch(entry, catalog, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(path)
+    return 0
+
+
+def cmd_quantize(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.catalog import resolve_model
+    from engine.quant import quantize_model
+
+    src, name = resolve_model(ns.model, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = Path(ns.out) if ns.out else src.parent / f"{name}-{ns.method}-g{ns.group_size}"
+    path = quantize_model(src, out, method=ns.method, group_size=ns.group_size, desc_act=ns.act_order,
+                          device=ns.device, log=lambda msg: print(msg, flush=True))
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="app.py", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="serve the web UI and the OpenAI-compatible API (default)")
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or set PAGODA_API_KEY)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+    fetch = sub.add_parser("fetch", help="download or build a catalog model; prints its folder last")
+    fetch.add_argument("model")
+    fetch.set_defaults(func=cmd_fetch)
+    quant = sub.add_parser("quantize", help="quantize a model to a Hub-compatible AWQ or GPTQ checkpoint")
+    quant.add_argument("model", help="catalog id or local folder")
+    quant.add_argument("--method", choices=["awq", "gptq", "rtn"], required=True)
+    quant.add_argument("--group-size", type=int, default=128)
+    quant.add_argument("--act-order", action="store_true", help="GPTQ act-order (desc_act)")
+    quant.add_argument("--device", default=None)
+    quant.add_argument("--out", default=None)
+    quant.set_defaults(func=cmd_quantize)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["serve", *argv]
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except EngineError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

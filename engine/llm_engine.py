@@ -1,0 +1,230 @@
+"""The step loop: schedule -> run -> update; requests in, RequestOutputs out (offline and for the async server)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engine.catalog import resolve_model
+from engine.config import EngineArgs, ModelConfig, resolve_device, resolve_dtype
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import read_config_dict
+from engine.model_runner import ModelRunner
+from engine.request import (CompletionOutput, EngineError, Request, RequestOutput, RequestStatus,
+                            SamplingParams)
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("pagoda.engine")
+
+
+@dataclass
+class RequestGroup:
+    """The ``n`` samples of one user request, with their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.samples)
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic totals for /metrics (Prometheus counters) and the dashboard."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: Counter = field(default_factory=Counter)  # finish_reason -> count
+
+
+def read_eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json (Llama 3 lists several) and the tokenizer."""
+    ids = set(config.eos_token_ids)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+class LLMEngine:
+    """One model, its KV cache, scheduler and sampler. Not thread-safe: AsyncEngine drives it from one thread."""
+
+    def __init__(self, args: EngineArgs, log_fn: Callable[[str], None] = log.info):
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.model_dir, self.model_name = resolve_model(args.model, log=log_fn)
+        config = ModelConfig.from_dict(read_config_dict(self.model_dir))
+        self.dtype = resolve_dtype(args.dtype, self.device, config.torch_dtype)
+        max_model_len = args.max_model_len or config.max_position_embeddings
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.runner = ModelRunner(args, self.model_dir, self.device, self.dtype, max_model_len)
+        self.model_config = self.runner.config
+        self.max_model_len = self._fit_max_model_len(max_model_len)
+        layout = self.runner.layout
+        self.kv_manager = KVCacheManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill),
+            self.kv_manager)
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
+        self.groups: dict[str, RequestGroup] = {}
+        self.counters = EngineCounters()
+        log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
+               f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
+               f"{layout.capacity_tokens / self.max_model_len:.2f}x")
+
+    def _fit_max_model_len(self, requested: int) -> int:
+        """An explicit --max-model-len must fit one full request in the KV pool; the default is capped to it."""
+        capacity = self.runner.layout.capacity_tokens
+        if requested <= capacity:
+            return requested
+        if self.args.max_model_len is None:
+            return capacity
+        raise EngineError(f"max_model_len {requested} needs {requested} KV tokens but the cache holds {capacity} "
+                          f"({self.runner.layout.num_blocks} blocks); use --max-model-len {capacity} or less, "
+                          "or give the KV cache more memory", param="max_model_len")
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise EngineError(f"duplicate request id {request_id!r}")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise EngineError("either a prompt or prompt_token_ids is required", param="prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        self._check_token_ids(prompt_token_ids)
+        samples = [Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                           prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                           eos_token_ids=self.eos_token_ids, parent_id=request_id, sample_index=i)
+                   for i in range(params.n)]
+        added = []  # the scheduler validates each sample: add all or none
+        try:
+            for sample in samples:
+                self.scheduler.add_request(sample)
+                added.append(sample)
+        except EngineError:
+            for sample in added:
+                self.scheduler.abort_request(sample.request_id)
+            raise
+        detoks = [IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params.skip_special_tokens,
+                                         params.stop, params.include_stop_str_in_output) for _ in samples]
+        self.groups[request_id] = RequestGroup(request_id, prompt, list(prompt_token_ids), samples, detoks)
+        self.counters.prompt_tokens += len(prompt_token_ids)
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise EngineError("the prompt is empty", param="prompt")
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise EngineError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens but this model's context is {self.max_model_len} "
+                              "tokens (prompt + output)", param="messages", code="context_length_exceeded")
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for sample in group.samples:
+            if not sample.is_finished:
+                self.scheduler.abort_request(sample.request_id)
+                self.counters.finished["abort"] += 1
+            self.runner.sampler.free(sample.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, append sampled tokens, apply stop rules; outputs of touched groups."""
+        plan = self.scheduler.schedule()
+        to_sample, sampled = self.runner.execute(plan.scheduled, plan.copy_on_write)
+        token_map = {} if sampled is None else {r.request_id: t for r, t in zip(to_sample, sampled.token_ids)}
+        if sampled is not None:
+            for req, logprobs in zip(to_sample, sampled.logprobs):
+                if logprobs is not None:
+                    req.output_logprobs.append(logprobs)
+        updated = self.scheduler.update_after_step(plan, token_map)
+        touched: dict[str, RequestGroup] = {}
+        for req in updated:
+            group = self.groups.get(req.parent_id)
+            if group is None:
+                continue
+            self.counters.generation_tokens += 1
+            self._apply_stop_rules(group, req)
+            touched[group.request_id] = group
+        outputs = [self._make_output(group) for group in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                del self.groups[group.request_id]
+                for sample in group.samples:
+                    self.runner.sampler.free(sample.request_id)
+        return outputs
+
+    def _apply_stop_rules(self, group: RequestGroup, req: Request) -> None:
+        detok = group.detokenizers[req.sample_index]
+        token = req.output_token_ids[-1]
+        detok.add_token(token)
+        params = req.sampling_params
+        can_stop = req.num_output_tokens >= params.min_tokens
+        status, reason = None, None
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif can_stop and token in params.stop_token_ids:
+            status, reason = RequestStatus.FINISHED_STOPPED, token
+        elif detok.stop_string is not None:
+            status, reason = RequestStatus.FINISHED_STOPPED, detok.stop_string
+        elif params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        elif req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return
+        if detok.stop_string is None:
+            detok.flush()
+        req.stop_reason = reason
+        self.scheduler.finish_request(req.request_id, status)
+        self.counters.finished[status.value] += 1
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        outputs = []
+        for sample, detok in zip(group.samples, group.detokenizers):
+            logprobs = list(sample.output_logprobs) if sample.sampling_params.logprobs is not None else None
+            outputs.append(CompletionOutput(index=sample.sample_index, text=detok.text,
+                                            token_ids=list(sample.output_token_ids),
+                                            finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                                            logprobs=logprobs))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
+                             num_cached_tokens=group.samples[0].num_cached_tokens)
+
+    # ---- introspection ---------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        stats = dict(self.scheduler.stats())
+        stats.update(prompt_tokens_total=self.counters.prompt_tokens,
+                     generation_tokens_total=self.counters.generation_tokens,
+                     request_success_total=dict(self.counters.finished),
+                     block_size=self.runner.layout.block_size, max_model_len=self.max_model_len)
+        return stats
+
+    def release(self) -> None:
+        """Abort everything and free the model's device memory (model switching, shutdown)."""
+        for request_id in list(self.groups):
+            self.abort_request(request_id)
+        self.runner.release()

@@ -1,0 +1,139 @@
+"""Build a LlamaModel from a HF folder: config.json + safetensors (sharded or not), dense or AWQ/GPTQ 4-bit.
+
+No pickle, no trust_remote_code. q/k/v and gate/up are merged at load so each runs as one matmul.
+Every missing tensor or shape mismatch is an EngineError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.layers.linear import Linear, Weight
+from engine.layers.rotary import cos_sin_cache
+from engine.models.llama import DecoderLayer, LlamaModel
+from engine.request import EngineError
+from kernels.ops import Backend
+
+
+class TensorStore:
+    """Lazy access to the tensors of all safetensors files in a folder, by name."""
+
+    def __init__(self, model_dir: Path):
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"no .safetensors files in {model_dir} (Pagoda does not load pickle checkpoints)")
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        for path in files:
+            handle = safe_open(str(path), framework="pt")
+            self._handles[path] = handle
+            for name in handle.keys():
+                self._where[name] = path
+
+    def get(self, name: str) -> torch.Tensor | None:
+        path = self._where.get(name)
+        return None if path is None else self._handles[path].get_tensor(name)
+
+    def require(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        tensor = self.get(name)
+        if tensor is None:
+            raise EngineError(f"checkpoint is missing tensor {name!r}")
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise EngineError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)} "
+                              "from config.json")
+        return tensor
+
+
+def _dense(store: TensorStore, prefix: str, out_f: int, in_f: int, device, dtype) -> torch.Tensor:
+    return store.require(f"{prefix}.weight", (out_f, in_f)).to(device, dtype)
+
+
+class WeightLoader:
+    """Loads the linear layers of one checkpoint, dense or quantized, onto a device."""
+
+    def __init__(self, store: TensorStore, quant_method, device: torch.device, dtype: torch.dtype, backend: Backend):
+        self.store, self.quant, self.device, self.dtype, self.backend = store, quant_method, device, dtype, backend
+
+    def weight(self, prefix: str, out_f: int, in_f: int) -> Weight:
+        if self.quant is not None and self.quant.is_quantized(prefix):
+            packed = self.quant.load_linear(self.store.get, prefix, in_f, out_f, self.dtype)
+            return packed.to(self.device, self.dtype)
+        return _dense(self.store, prefix, out_f, in_f, self.device, self.dtype)
+
+    def bias(self, prefix: str, out_f: int) -> torch.Tensor | None:
+        bias = self.store.get(f"{prefix}.bias")
+        if bias is None:
+            return None
+        if tuple(bias.shape) != (out_f,):
+            raise EngineError(f"tensor '{prefix}.bias' has shape {tuple(bias.shape)}, expected ({out_f},)")
+        return bias.to(self.device, self.dtype)
+
+    def merged(self, prefixes: list[str], out_sizes: list[int], in_f: int, with_bias: bool) -> Linear:
+        parts = [self.weight(p, o, in_f) for p, o in zip(prefixes, out_sizes)]
+        bias = None
+        if with_bias:
+            biases = [self.bias(p, o) for p, o in zip(prefixes, out_sizes)]
+            if any(b is None for b in biases):
+                missing = prefixes[[b is None for b in biases].index(True)]
+                raise EngineError(f"checkpoint is missing tensor '{missing}.bias' (config says attention_bias)")
+            bias = torch.cat(biases)
+        return Linear(parts, bias, self.backend)
+
+
+def _load_layer(loader: WeightLoader, cfg: ModelConfig, i: int) -> DecoderLayer:
+    p = f"model.layers.{i}"
+    h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    norm = lambda name: loader.store.require(f"{p}.{name}.weight", (h,)).to(loader.device, loader.dtype)  # noqa: E731
+    attn = f"{p}.self_attn"
+    return DecoderLayer(
+        input_layernorm=norm("input_layernorm"),
+        qkv_proj=loader.merged([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q_out, kv_out, kv_out], h,
+                               with_bias=cfg.attention_bias),
+        o_proj=loader.merged([f"{attn}.o_proj"], [h], q_out, with_bias=False),
+        post_attention_layernorm=norm("post_attention_layernorm"),
+        gate_up_proj=loader.merged([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
+                                   [cfg.intermediate_size, cfg.intermediate_size], h, with_bias=False),
+        down_proj=loader.merged([f"{p}.mlp.down_proj"], [h], cfg.intermediate_size, with_bias=False),
+    )
+
+
+def read_config_dict(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise EngineError(f"no config.json in {model_dir}: not a model folder")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise EngineError(f"config.json in {model_dir} is not valid JSON: {exc}") from exc
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backend: Backend,
+               max_positions: int, log: Callable[[str], None] = lambda m: None) -> LlamaModel:
+    """Read config + weights into a LlamaModel on ``device`` in ``dtype`` (activations; int4 stays packed)."""
+    raw = read_config_dict(model_dir)
+    cfg = ModelConfig.from_dict(raw)
+    quant = None
+    if raw.get("quantization_config") or (model_dir / "quantize_config.json").is_file():
+        from engine.quant import get_quant_method
+
+        quant = get_quant_method(model_dir, raw)
+    store = TensorStore(model_dir)
+    loader = WeightLoader(store, quant, device, dtype, backend)
+    embed = store.require("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(device, dtype)
+    layers = []
+    for i in range(cfg.num_layers):
+        layers.append(_load_layer(loader, cfg, i))
+        log(f"loaded layer {i + 1}/{cfg.num_layers}")
+    if cfg.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = store.require("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)).to(device, dtype)
+    norm = store.require("model.norm.weight", (cfg.hidden_size,)).to(device, dtype)
+    rope = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+    return LlamaModel(cfg, backend, embed, layers, norm, lm_head, rope)

@@ -1,0 +1,193 @@
+"""Weights and KV tensors on the device: sizes the KV pool, builds ForwardBatches, runs forward + sampling."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineArgs, ModelConfig, parse_bytes
+from engine.forward_batch import ForwardBatch
+from engine.model_loader import load_model
+from engine.request import EngineError, Request
+from engine.sampler import Sampler, SamplerOutput
+from kernels.ops import Backend
+
+log = logging.getLogger("pagoda.runner")
+
+CPU_DEFAULT_KV_MEMORY = "256MiB"
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int  # all layers, K and V
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the device budget went to when the KV pool was sized (bytes)."""
+
+    budget: int
+    weights: int
+    activation_peak: int
+    kv_cache: int
+
+
+class ModelRunner:
+    """Owns the model and the paged KV cache for one engine. Several runners may live in one process."""
+
+    def __init__(self, args: EngineArgs, model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int):
+        self.args, self.device, self.dtype = args, device, dtype
+        self.backend = Backend.for_device(device, force_reference=args.force_reference_kernels)
+        self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len)
+        self.config: ModelConfig = self.model.config
+        self.max_model_len = max_model_len
+        self.sampler = Sampler(seed=args.seed)
+        self.weight_bytes = self.model.weight_bytes()
+        self.layout, self.memory_profile = self._size_kv_cache()
+        self.kv_caches = self._allocate_kv_cache()
+        self.model.bind_kv_caches(self.kv_caches)
+
+    # ---- KV cache sizing -------------------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        return self.config.kv_bytes_per_token(self.dtype) * self.args.block_size
+
+    def _size_kv_cache(self) -> tuple[KVCacheLayout, MemoryProfile]:
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            budget, activation_peak = self._profile_cuda()
+            kv_budget = budget - self.weight_bytes - activation_peak
+        else:
+            kv_budget = parse_bytes(self.args.kv_cache_memory or CPU_DEFAULT_KV_MEMORY)
+            budget, activation_peak = self.weight_bytes + kv_budget, 0
+        num_blocks = kv_budget // per_block
+        if num_blocks < 1:
+            raise EngineError(f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, weights "
+                              f"{self.weight_bytes / 2**30:.2f} GiB, activations {activation_peak / 2**30:.2f} GiB",
+                              param="gpu_memory_utilization")
+        layout = KVCacheLayout(int(num_blocks), self.args.block_size, per_block)
+        return layout, MemoryProfile(budget, self.weight_bytes, activation_peak, layout.num_blocks * per_block)
+
+    def _profile_cuda(self) -> tuple[int, int]:
+        """Budget from --gpu-memory-limit or --gpu-memory-utilization; activation peak of one full-budget forward."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        limit = parse_bytes(self.args.gpu_memory_limit) if self.args.gpu_memory_limit else None
+        budget = min(limit, total) if limit else int(total * self.args.gpu_memory_utilization)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._dummy_forward(min(self.args.max_num_batched_tokens, self.max_model_len))
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        return budget, activation_peak
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        cfg = self.config
+        bs = self.args.block_size
+        num_blocks = (num_tokens + bs - 1) // bs
+        shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        scratch = [(torch.empty(shape, device=self.device, dtype=self.dtype),
+                    torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(cfg.num_layers)]
+        self.model.bind_kv_caches(scratch)
+        positions = torch.arange(num_tokens, device=self.device)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions=positions,
+            slot_mapping=positions.clone(),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            logits_indices=torch.tensor([num_tokens - 1], device=self.device), is_decode=False)
+        self.model.forward(batch)
+        del scratch
+        self.model.kv_caches = []
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.config
+        shape = (self.layout.num_blocks, self.layout.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
+                 torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(cfg.num_layers)]
+
+    # ---- one step --------------------------------------------------------------------------------------------
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block contents (all layers) before a request writes into its private copy."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def build_batch(self, scheduled) -> tuple[ForwardBatch, list[Request]]:
+        """From the scheduler's (request, num_new_tokens, block_table) list to device tensors.
+
+        Python work is O(new tokens + blocks), not O(context): only the new tokens' ids are sliced.
+        """
+        bs = self.args.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, ctx_lens, logits_idx, to_sample = [0], [], [], []
+        max_blocks = max(len(s.block_table) for s in scheduled)
+        tables = []
+        for item in scheduled:
+            req, n, table = item.request, item.num_new_tokens, item.block_table
+            start = req.num_computed_tokens
+            new_ids = _token_slice(req, start, start + n)
+            input_ids.extend(new_ids)
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            starts.append(starts[-1] + n)
+            ctx_lens.append(start + n)
+            tables.append(table + [0] * (max_blocks - len(table)))
+            if start + n == req.num_tokens:  # the step completes what is known: sample the next token
+                logits_idx.append(starts[-1] - 1)
+                to_sample.append(req)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            is_decode=all(item.num_new_tokens == 1 for item in scheduled))
+        return batch, to_sample
+
+    def execute(self, scheduled, copy_on_write: list[tuple[int, int]]) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one forward over the scheduled tokens; sample for requests whose known tokens are all computed."""
+        self.copy_blocks(copy_on_write)
+        if not scheduled:
+            return [], None
+        batch, to_sample = self.build_batch(scheduled)
+        logits = self.model.forward(batch)  # [num_sampled, vocab] float32
+        if not to_sample:
+            return [], None
+        return to_sample, self.sampler.sample(logits, to_sample)
+
+    def release(self) -> None:
+        """Drop every device tensor this runner holds so the memory can go back to the device."""
+        self.model.kv_caches = []
+        self.kv_caches = []
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _token_slice(request: Request, start: int, end: int) -> list[int]:
+    prompt_len = request.num_prompt_tokens
+    if end <= prompt_len:
+        return request.prompt_token_ids[start:end]
+    if start >= prompt_len:
+        return request.output_token_ids[start - prompt_len:end - prompt_len]
+    return request.prompt_token_ids[start:] + request.output_token_ids[:end - prompt_len]

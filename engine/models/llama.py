@@ -1,0 +1,90 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2): forward over a ForwardBatch with paged KV caches.
+
+Weights are plain tensors / ``Linear`` objects filled by engine/model_loader.py; every op goes through the
+``Backend`` (Triton on CUDA, torch reference elsewhere). The model holds no per-request state: the KV
+cache tensors are bound once by the model runner and addressed through the batch's slot mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.layers.linear import Linear
+from kernels.ops import Backend
+
+
+@dataclass
+class DecoderLayer:
+    input_layernorm: torch.Tensor  # [hidden]
+    qkv_proj: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    o_proj: Linear
+    post_attention_layernorm: torch.Tensor
+    gate_up_proj: Linear  # hidden -> 2 * intermediate
+    down_proj: Linear
+
+
+@dataclass
+class LlamaModel:
+    config: ModelConfig
+    backend: Backend
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: list[DecoderLayer]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
+    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] float32
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Attach per-layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        assert len(kv_caches) == len(self.layers)
+        self.kv_caches = kv_caches
+
+    def attention(self, index: int, layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = layer.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.backend.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
+        k_cache, v_cache = self.kv_caches[index]
+        self.backend.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        scale = cfg.head_dim ** -0.5
+        if batch.is_decode:
+            out = self.backend.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                                      scale)
+        else:
+            out = self.backend.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                               batch.context_lens, scale)
+        return layer.o_proj(out.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+
+    def mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        return layer.down_proj(self.backend.silu_and_mul(layer.gate_up_proj(x)))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Returns logits [num_sampled, vocab] in float32 for the rows in ``batch.logits_indices``."""
+        eps = self.config.rms_norm_eps
+        hidden = self.embed_tokens[batch.input_ids]  # [num_tokens, hidden]
+        residual = None
+        for index, layer in enumerate(self.layers):
+            x, residual = self.backend.rms_norm(hidden, layer.input_layernorm, eps, residual)
+            hidden = self.attention(index, layer, x, batch)
+            x, residual = self.backend.rms_norm(hidden, layer.post_attention_layernorm, eps, residual)
+            hidden = self.mlp(layer, x)
+        hidden, _ = self.backend.rms_norm(hidden, self.norm, eps, residual)
+        selected = hidden[batch.logits_indices]  # [num_sampled, hidden]
+        return torch.nn.functional.linear(selected, self.lm_head).float()
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        for layer in self.layers:
+            total += sum(t.numel() * t.element_size() for t in (layer.input_layernorm, layer.post_attention_layernorm))
+            total += sum(lin.nbytes() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+        return total

@@ -1,0 +1,275 @@
+"""Turn one step's logits into next tokens: logit bias, penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+The model runner calls ``Sampler.sample(logits, requests)`` once per step with one row of logits per running
+request. Everything is vectorized over the batch: per-row parameters become small tensors on the logits'
+device and penalties are applied with scatter/gather over padded token-id tensors, so there is no Python loop
+over the vocabulary and the whole step runs on the GPU with a single device-to-host copy at the end.
+
+Reproducibility: a request with ``sampling_params.seed`` owns a ``torch.Generator`` (seeded from its seed and
+``sample_index``) and draws the random numbers for its own row only, so its tokens do not depend on what else is
+in the batch. Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d. per
+token picks token ``i`` with probability ``probs[i]``, and needs one draw per vocabulary entry from the row's
+own generator (no cumulative sums that mix rows).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.request import EngineError, Logprob, Request, SamplingParams
+
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # spreads sample_index over the 64-bit seed space
+_NEG_INF = float("-inf")
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]  # per row; None when the request asked for no logprobs
+
+
+def generator_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of a request seeded with ``seed`` (sample 0 uses ``seed`` itself)."""
+    return (seed + sample_index * _GOLDEN_GAMMA) % 2**64
+
+
+def validate_for_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Reject token ids the model does not have, before the request reaches a batch (the API calls this)."""
+    for token_id in (params.logit_bias or {}):
+        if not 0 <= int(token_id) < vocab_size:
+            raise EngineError(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
+                              param="logit_bias")
+    for token_id in params.stop_token_ids or []:
+        if not 0 <= int(token_id) < vocab_size:
+            raise EngineError(f"stop token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
+                              param="stop_token_ids")
+
+
+class Sampler:
+    """Owns the random state of sampling: one generator per device for unseeded rows, one per seeded request."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._device_generators: dict[str, torch.Generator] = {}
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def free(self, request_id: str) -> None:
+        """Forget a finished request's generator. Do not call it on preemption: the stream must continue."""
+        self._request_generators.pop(request_id, None)
+
+    @property
+    def num_request_generators(self) -> int:
+        return len(self._request_generators)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Pick one token per row. ``logits`` is not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits {tuple(logits.shape)} must be [num_seqs={len(requests)}, vocab]")
+        logits = logits.float()  # [num_seqs, vocab]
+        processed = apply_logits_processors(logits, requests)  # [num_seqs, vocab]
+        token_ids = processed.argmax(dim=-1)  # [num_seqs] greedy choice; ties -> lowest id
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            chosen = self._sample_rows(processed[rows], [requests[i] for i in random_rows])
+            token_ids[rows] = chosen
+        logprobs = _gather_logprobs(logits, token_ids, requests)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race. ``logits``: [n, vocab], owned."""
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], device=device)  # [n]
+        logits = logits.div_(temperature[:, None])
+        vocab = logits.shape[1]
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        probs = logits.softmax(dim=-1)  # [n, vocab]
+        noise = self._exponential_noise(requests, probs.shape, device)  # [n, vocab]
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _exponential_noise(self, requests: list[Request], shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Exponential(1) noise; a seeded row is filled from its own generator, the rest from the sampler's."""
+        noise = torch.empty(shape, device=device)  # [n, vocab]
+        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
+        if len(unseeded) == len(requests):
+            noise.exponential_(generator=self._device_generator(device))
+        elif unseeded:
+            rows = torch.tensor(unseeded, device=device)
+            fresh = torch.empty((len(unseeded), shape[1]), device=device)
+            noise[rows] = fresh.exponential_(generator=self._device_generator(device))
+        for i, request in enumerate(requests):
+            if request.sampling_params.seed is not None:
+                noise[i].exponential_(generator=self._request_generator(request, device))
+        # A zero draw would turn a masked (probability 0) token into 0/0 = NaN, which argmax would pick.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _device_generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._device_generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed % 2**64)
+            self._device_generators[key] = generator
+        return self._device_generators[key]
+
+    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
+        generator = self._request_generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(generator_seed(request.sampling_params.seed, request.sample_index))
+            self._request_generators[request.request_id] = generator
+        return generator
+
+
+def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logit_bias, min_tokens, repetition penalty, presence/frequency penalties, in that order.
+
+    Returns a new tensor when anything applies (``logits`` itself otherwise); never writes into ``logits``.
+    """
+    out = logits
+    for processor in (_apply_logit_bias, _apply_min_tokens, _apply_repetition_penalty,
+                      _apply_presence_frequency):
+        out = processor(out, requests, owned=out is not logits)
+    return out
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+    rows, cols, values = [], [], []
+    vocab = logits.shape[1]
+    for i, request in enumerate(requests):
+        for token_id, bias in (request.sampling_params.logit_bias or {}).items():
+            if 0 <= int(token_id) < vocab:  # out-of-range ids are rejected earlier by validate_for_vocab
+                rows.append(i), cols.append(int(token_id)), values.append(float(bias))
+    if not rows:
+        return logits
+    out = logits if owned else logits.clone()
+    index = (torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device))
+    return out.index_put_(index, torch.tensor(values, device=out.device), accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+    """Until ``min_tokens`` tokens exist, the tokens that would stop the request cannot be picked."""
+    rows, cols = [], []
+    vocab = logits.shape[1]
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            continue
+        stoppers = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stoppers.update(request.eos_token_ids)
+        for token_id in stoppers:
+            if 0 <= token_id < vocab:
+                rows.append(i), cols.append(token_id)
+    if not rows:
+        return logits
+    out = logits if owned else logits.clone()
+    out[torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device)] = _NEG_INF
+    return out
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+    """HF semantics over prompt + output: a seen token's logit is divided by p if positive, else multiplied."""
+    selected = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
+    if not selected:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    token_ids = _padded([requests[i].all_token_ids for i in selected], pad=vocab, device=device)
+    seen = _token_counts(token_ids, vocab) > 0  # [n, vocab]
+    penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in selected],
+                           device=device)[:, None]  # [n, 1]
+    rows = torch.tensor(selected, device=device)
+    sub = logits[rows]  # [n, vocab]
+    penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+    out = logits if owned else logits.clone()
+    out[rows] = torch.where(seen, penalized, sub)
+    return out
+
+
+def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+    """OpenAI semantics over output tokens: logit -= presence * (count > 0) + frequency * count."""
+    selected = [i for i, r in enumerate(requests)
+                if r.sampling_params.presence_penalty != 0.0 or r.sampling_params.frequency_penalty != 0.0]
+    if not selected:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    token_ids = _padded([requests[i].output_token_ids for i in selected], pad=vocab, device=device)
+    counts = _token_counts(token_ids, vocab)  # [n, vocab]
+    presence = torch.tensor([requests[i].sampling_params.presence_penalty for i in selected], device=device)
+    frequency = torch.tensor([requests[i].sampling_params.frequency_penalty for i in selected], device=device)
+    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)  # [n, vocab]
+    out = logits if owned else logits.clone()
+    return out.index_add_(0, torch.tensor(selected, device=device), -penalty)
+
+
+def _padded(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[n, max_len] int64, short rows filled with ``pad`` (an id one past the vocabulary)."""
+    width = max(1, max(len(ids) for ids in token_lists))
+    rows = [ids + [pad] * (width - len(ids)) for ids in token_lists]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """How often each vocabulary id occurs per row of padded ``token_ids``: [n, vocab] float32."""
+    counts = torch.zeros((token_ids.shape[0], vocab + 1), device=token_ids.device)  # +1: the pad column
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    ``top_k``: [n] in 1..vocab (vocab = off); ``top_p``: [n] in (0, 1] (1 = off). The nucleus is the smallest
+    set of most likely tokens whose probability (after top-k) reaches top_p; the most likely token always stays.
+    Ties are ordered by token id (stable sort), so top_k=1 keeps exactly the argmax.
+    """
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [n, vocab]
+    positions = torch.arange(vocab, device=logits.device)  # [vocab]
+    sorted_logits = sorted_logits.masked_fill(positions[None, :] >= top_k[:, None], _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [n, vocab] probability of the more likely tokens
+    outside = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    outside[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(outside, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability. ``min_p``: [n]."""
+    probs = logits.softmax(dim=-1)  # [n, vocab]
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
+                     requests: list[Request]) -> list[dict[int, Logprob] | None]:
+    """The chosen token's logprob and the top-``logprobs`` tokens, from the raw (unprocessed) logits."""
+    result: list[dict[int, Logprob] | None] = [None] * len(requests)
+    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not wanted:
+        return result
+    rows = torch.tensor(wanted, device=raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits[rows], dim=-1)  # [m, vocab]
+    chosen_ids = token_ids[rows]  # [m]
+    chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1)  # [m]
+    k = max(requests[i].sampling_params.logprobs for i in wanted)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen_ids[:, None][:, :0])
+    # One copy to the host for everything.
+    packed = torch.cat([chosen_ids[:, None], top_ids], dim=1).double()  # ids are exact in float64
+    packed = torch.cat([packed[:, :1], chosen[:, None].double(), packed[:, 1:], top_values.double()], dim=1)
+    packed_rows = packed.cpu().tolist()
+    for row, i in zip(packed_rows, wanted):
+        num_top = requests[i].sampling_params.logprobs
+        chosen_id = int(row[0])
+        entries = {chosen_id: Logprob(chosen_id, row[1])}
+        for token_id, value in zip(row[2:2 + num_top], row[2 + k:2 + k + num_top]):
+            entries.setdefault(int(token_id), Logprob(int(token_id), value))
+        result[i] = entries
+    return result

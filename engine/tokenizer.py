@@ -1,0 +1,63 @@
+"""Tokenizer and chat-template access (transformers' tokenizers; the template ships with the model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.request import EngineError
+
+
+def flatten_content(content) -> str:
+    """OpenAI/Gradio message content may be a string or a list of parts ({"type": "text", "text": ...})."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text") or content.get("content") or "")
+    if isinstance(content, (list, tuple)):
+        return "".join(flatten_content(part) for part in content)
+    return str(content)
+
+
+class Tokenizer:
+    """Encodes prompts and renders chat messages with the model's own chat template."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as exc:  # transformers raises many types for a broken folder
+            raise EngineError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.hf.chat_template:
+            raise EngineError("this model has no chat template; use the completions endpoint", param="messages")
+        clean = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise EngineError(f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
+            clean.append({"role": message["role"], "content": flatten_content(message.get("content"))})
+        try:
+            return self.hf.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja errors from the model's template (e.g. role order rules)
+            raise EngineError(f"the chat template rejected these messages: {exc}", param="messages") from exc
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Template then tokenize without adding special tokens again (the template already has them)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)

@@ -1,0 +1,1 @@
+"""Triton kernel families behind ``kernels/triton_ops.py`` (one module per family)."""

