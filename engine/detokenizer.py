@@ -47,9 +47,12 @@ class IncrementalDetokenizer:
         self._min_tokens = min_tokens
         # Window state over self._ids (a few prompt tokens, then every generated token).
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_text = self._decode(0, len(self._ids))
+        while self._prefix_text.endswith(_REPLACEMENT_CHAR):  # a prompt cut inside a character: the
+            self._ids.pop()  # context must end on a whole character, or the first delta would be misaligned
+            self._prefix_text = self._decode(0, len(self._ids))
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(0, self._read_offset)
         # Text decoded but not released yet: a tail that may still become a stop string.
         self._held = ""
         self._text = ""  # released so far (a str append copies, but only memcpy-fast bytes, never re-decodes)

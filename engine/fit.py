@@ -7,12 +7,13 @@ allocates, not what the checkpoint file weighs:
 - weights: embeddings, lm_head (unless tied), per layer q/k/v/o + gate/up/down + two RMSNorms, final norm.
   Quantized linears (AWQ/GPTQ) are held as the kernel contract's ``PackedInt4`` (kernels/reference.py):
   ``K * N * bits / 8`` packed bytes + ``scales`` and ``zeros`` ``[K // G, N]`` in the activation dtype
-  + an int32 act-order permutation of ``K`` rows when ``desc_act``. Embeddings, lm_head, norms and biases
-  stay in the activation dtype.
+  + an int64 act-order permutation of ``K`` rows when ``desc_act``, one per merged input (q/k/v share one,
+  gate/up share one, as the loader concatenates them). Embeddings, lm_head, norms and biases stay in the
+  activation dtype.
 - KV cache: ``2 * layers * kv_heads * head_dim * element size`` bytes per token, allocated in whole blocks
   of ``block_size`` tokens: ``num_blocks = kv_budget // bytes_per_block`` (rounded down, as the engine does).
-- activations: one forward at the token budget (``max_num_batched_tokens``) plus the logits of up to
-  ``max_num_seqs`` rows; the engine replaces this estimate by its profiled peak when it has one.
+- activations: what the engine's profile of one forward at the token budget will measure (see
+  ``estimate_activation_bytes``); pass the profiled peak as ``activation_reserve_bytes`` when there is one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.request import EngineError
 
 GiB = 1 << 30
 MiB = 1 << 20
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class QuantSpec:
     fmt: str | None  # AWQ "version" (gemm/gemv...) or GPTQ "checkpoint_format" (gptq/gptq_v2/marlin...)
 
     @staticmethod
-    def from_config(qc: dict | None) -> "QuantSpec | None":
+    def from_config(qc: dict | None) -> QuantSpec | None:
         """Read HF transformers / AutoAWQ / AutoGPTQ spellings; None for an unquantized checkpoint."""
         if not qc:
             return None
@@ -70,7 +72,8 @@ def _resolve(model_config: ModelConfig, dtype: torch.dtype | str) -> torch.dtype
 
 def linear_bytes(in_features: int, out_features: int, act_bytes: int, quant: QuantSpec | None,
                  bias: bool = False) -> int:
-    """Bytes of one linear layer as loaded: dense in the activation dtype, or packed + group scales/zeros."""
+    """Bytes of one linear layer as loaded: dense in the activation dtype, or packed + group scales/zeros
+    (an act-order permutation is shared by the linears that read the same input: see estimate_weight_bytes)."""
     bias_bytes = out_features * act_bytes if bias else 0
     if quant is None:
         return in_features * out_features * act_bytes + bias_bytes
@@ -78,8 +81,7 @@ def linear_bytes(in_features: int, out_features: int, act_bytes: int, quant: Qua
     num_groups = -(-in_features // group)
     packed = in_features * out_features * quant.bits // 8  # qweight
     scales_and_zeros = 2 * num_groups * out_features * act_bytes
-    perm = 4 * in_features if quant.desc_act else 0  # int32 act-order permutation
-    return packed + scales_and_zeros + perm + bias_bytes
+    return packed + scales_and_zeros + bias_bytes
 
 
 def layer_linear_shapes(mc: ModelConfig) -> list[tuple[str, int, int, bool]]:
@@ -108,6 +110,8 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: torch.dtype | str) -
     lm_head = 0 if mc.tie_word_embeddings else embed
     per_layer = sum(linear_bytes(i, o, act, quant, b) for _, i, o, b in layer_linear_shapes(mc))
     per_layer += 2 * mc.hidden_size * act  # input_layernorm + post_attention_layernorm
+    if quant is not None and quant.desc_act:  # int64 permutations: qkv, o, gate_up, down inputs
+        per_layer += 8 * (2 * mc.hidden_size + mc.num_heads * mc.head_dim + mc.intermediate_size)
     return embed + lm_head + mc.num_layers * per_layer + mc.hidden_size * act  # + final norm
 
 
@@ -117,23 +121,31 @@ def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype | str) -> i
     return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype_bytes(_resolve(mc, dtype))
 
 
-def estimate_activation_bytes(model_config: ModelConfig, dtype: torch.dtype | str,
-                              max_num_batched_tokens: int = 2048, max_num_seqs: int = 64) -> int:
-    """Peak transient memory of one forward at the full token budget (an estimate, not a profile).
+def estimate_activation_bytes(model_config: ModelConfig, dtype: torch.dtype | str, num_tokens: int = 2048,
+                              max_num_seqs: int = 64, block_size: int = 16) -> int:
+    """What the engine's memory profile (ModelRunner._profile_cuda) will count, before it runs.
 
-    Per token at the MLP peak: residual, hidden and normed rows (3 * hidden), q/k/v and attention output
-    ((2 * heads + 2 * kv_heads) * head_dim), gate_up and the SwiGLU product (3 * intermediate), all in the
-    activation dtype; plus, for the sampled rows, logits in that dtype and two float32 copies (softmax).
+    - The forward's peak is in the MLP: per token the residual, hidden and normed rows (3 * hidden) and the
+      gate_up output + SwiGLU product (3 * intermediate) in the activation dtype; the logits row(s) in that
+      dtype plus two float32 copies. The larger of a prefill of ``num_tokens`` (one logits row) and a decode
+      step of ``max_num_seqs`` sequences (one row each).
+    - cuBLAS's workspace (32 MiB on Hopper), allocated by the first matmul of the process.
+    Against the engine's profiled peak on an H200 (fp16, 2048 tokens, fresh process, 8 GiB budget): SmolLM2-135M
+    shape 107.9 MB profiled vs 113.0 MB here (both measured with the
+    scratch KV of the profiling forward counted; the engine now subtracts it) (the decode-step term: 64 logits rows), Llama-2-7B shape (4 layers)
+    353.4 vs 353.7 MB, Qwen2-7B shape (4 layers) 327.2 vs 328.7 MB; KV blocks 22,279 / 5,810 / 32,182 allocated
+    vs 22,265 / 5,810 / 32,171 predicted.
     """
     mc = model_config
     act = dtype_bytes(_resolve(mc, dtype))
-    per_token = 3 * mc.hidden_size + (2 * mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
-    per_token += 3 * mc.intermediate_size
-    sampled_rows = min(max_num_seqs, max_num_batched_tokens)
-    return max_num_batched_tokens * per_token * act + sampled_rows * mc.vocab_size * (act + 8)
+    per_token = (3 * mc.hidden_size + 3 * mc.intermediate_size) * act
+    per_row = mc.vocab_size * (act + 8)
+    seqs = min(max_num_seqs, num_tokens)
+    forward = max(num_tokens * per_token + per_row, seqs * (per_token + per_row))
+    return forward + CUBLAS_WORKSPACE_BYTES
 
 
-def format_bytes(num: int | float) -> str:
+def format_bytes(num: float) -> str:
     """GiB above 1 GiB, MiB above 1 MiB, else KiB: the unit people read on nvidia-smi."""
     if abs(num) >= GiB:
         return f"{num / GiB:.2f} GiB"
@@ -180,7 +192,8 @@ def check_fit(model_config: ModelConfig, dtype: torch.dtype | str, budget_bytes:
     per_token = kv_bytes_per_token(mc, dtype)
     reserve = activation_reserve_bytes
     if reserve is None:
-        reserve = estimate_activation_bytes(mc, dtype, max_num_batched_tokens, max_num_seqs)
+        reserve = estimate_activation_bytes(mc, dtype, min(max_num_batched_tokens, max_len), max_num_seqs,
+                                            block_size)
     kv_budget = kv_cache_bytes if kv_cache_bytes is not None else budget_bytes - weights - reserve
     num_blocks = max(kv_budget, 0) // (per_token * block_size)
     blocks_per_request = -(-max_len // block_size)
@@ -188,11 +201,11 @@ def check_fit(model_config: ModelConfig, dtype: torch.dtype | str, budget_bytes:
     fits = not overflow and num_blocks >= blocks_per_request
     tokens = num_blocks * block_size
     suggestion = None if fits or overflow or tokens < block_size else tokens
-    fields = dict(weight_bytes=weights, kv_bytes_per_token=per_token, activation_reserve_bytes=reserve,
-                  budget_bytes=budget_bytes, kv_budget_bytes=kv_budget, block_size=block_size,
-                  num_blocks=num_blocks, max_context_tokens=tokens, max_model_len=max_len,
-                  max_concurrency=num_blocks // blocks_per_request, fits=fits,
-                  suggested_max_model_len=suggestion)
+    fields = {"weight_bytes": weights, "kv_bytes_per_token": per_token, "activation_reserve_bytes": reserve,
+              "budget_bytes": budget_bytes, "kv_budget_bytes": kv_budget, "block_size": block_size,
+              "num_blocks": num_blocks, "max_context_tokens": tokens, "max_model_len": max_len,
+              "max_concurrency": num_blocks // blocks_per_request, "fits": fits,
+              "suggested_max_model_len": suggestion}
     return FitReport(message=_message(mc, dtype, fields), **fields)
 
 

@@ -33,16 +33,23 @@ import shutil
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from filelock import FileLock, Timeout
 from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                    OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
 from tqdm import tqdm
@@ -60,7 +67,6 @@ SIDE_FILES = frozenset({
 })
 TOKENIZER_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 WEIGHTS, INDEX = ".safetensors", ".safetensors.index.json"
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -103,7 +109,7 @@ class HubSettings:
 
     @staticmethod
     def from_env(cache_dir: str | Path | None = None, endpoint: str | None = None, token: str | None = None,
-                 offline: bool | None = None) -> "HubSettings":
+                 offline: bool | None = None) -> HubSettings:
         env = os.environ
         hf_home = Path(env.get("HF_HOME") or Path(env.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
         cache = cache_dir or env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or hf_home / "hub"
@@ -567,6 +573,7 @@ class HubDownloader:
         url = hf_hub_url(plan.repo_id, f.name, revision=plan.commit, endpoint=self.settings.endpoint)
         meta = get_hf_file_metadata(url, token=token)
         etag, size = meta.etag or f.etag, meta.size if meta.size is not None else f.size
+        location = urljoin(url, meta.location or url)
         blob = plan.storage / "blobs" / etag
         if already and etag != f.etag:  # counted a partial under another name: the HEAD is authoritative
             handle._advance(-already, f.name)
@@ -575,9 +582,9 @@ class HubDownloader:
         with _file_lock(lock, handle._cancel):
             if not blob.exists():
                 headers = build_hf_headers(token=token)
-                if urlsplit(meta.location)[:2] != urlsplit(url)[:2]:  # a CDN: the token stays on the Hub
+                if urlsplit(location)[:2] != urlsplit(url)[:2]:  # a CDN: the token stays on the Hub
                     headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-                self._transfer(meta.location, headers, blob, etag, size, f.name, handle, already)
+                self._transfer(location, headers, blob, etag, size, f.name, handle, already)
             elif not already:
                 handle._advance(size, f.name)
         _link(blob, plan.snapshot / f.name)
@@ -610,15 +617,16 @@ class HubDownloader:
         """A message a user can act on for whatever huggingface_hub or the network raised."""
         page = f"{self.settings.endpoint}/{repo_id}"
         status = getattr(getattr(exc, "response", None), "status_code", None)
-        if isinstance(exc, GatedRepoError) or (isinstance(exc, HfHubHTTPError) and status in (401, 403)
-                                                 and not isinstance(exc, RepositoryNotFoundError)):
-            why = ("your token has not been granted access yet" if status == 403
-                   else "no Hugging Face token was sent")
+        if isinstance(exc, GatedRepoError):
+            why = "your token has not been granted access yet" if status == 403 else "no valid token was sent"
             return (f"{repo_id} is a gated model and {why}: accept its license at {page} while logged in, then "
                     "set HF_TOKEN (or enter a token) with read access and try again")
         if isinstance(exc, RepositoryNotFoundError):
             return (f"model repo {repo_id!r} was not found on {self.settings.endpoint}: check the name "
                     "(owner/name); if it is private, set HF_TOKEN to a token that can read it")
+        if isinstance(exc, HfHubHTTPError) and status in (401, 403):
+            return (f"the Hub refused access to {repo_id} (HTTP {status}): check that HF_TOKEN (or the token "
+                    f"entered) is valid and has read access, and that you accepted the license at {page}")
         if isinstance(exc, RevisionNotFoundError):
             return f"revision {revision!r} does not exist in {repo_id}"
         if isinstance(exc, EntryNotFoundError) and not isinstance(exc, LocalEntryNotFoundError):

@@ -18,6 +18,7 @@ from engine.model_loader import read_config_dict
 from engine.model_runner import ModelRunner
 from engine.request import (CompletionOutput, EngineError, Request, RequestOutput, RequestStatus,
                             SamplingParams)
+from engine.sampler import validate_for_vocab
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 
@@ -110,6 +111,7 @@ class LLMEngine:
                 raise EngineError("either a prompt or prompt_token_ids is required", param="prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
         self._check_token_ids(prompt_token_ids)
+        validate_for_vocab(params, self.model_config.vocab_size)
         samples = [Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                            prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                            eos_token_ids=self.eos_token_ids, parent_id=request_id, sample_index=i)
@@ -124,7 +126,8 @@ class LLMEngine:
                 self.scheduler.abort_request(sample.request_id)
             raise
         detoks = [IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params.skip_special_tokens,
-                                         params.stop, params.include_stop_str_in_output) for _ in samples]
+                                         params.stop, params.include_stop_str_in_output, min_tokens=params.min_tokens)
+                  for _ in samples]
         self.groups[request_id] = RequestGroup(request_id, prompt, list(prompt_token_ids), samples, detoks)
         self.counters.prompt_tokens += len(prompt_token_ids)
 
@@ -170,6 +173,12 @@ class LLMEngine:
             self.counters.generation_tokens += 1
             self._apply_stop_rules(group, req)
             touched[group.request_id] = group
+        for req in plan.finished:  # the scheduler ended these itself (grew past what the KV cache can hold)
+            group = self.groups.get(req.parent_id)
+            if group is not None:
+                group.detokenizers[req.sample_index].flush()
+                self.counters.finished[req.finish_reason] += 1
+                touched[group.request_id] = group
         outputs = [self._make_output(group) for group in touched.values()]
         for group in touched.values():
             if group.finished:
@@ -193,7 +202,7 @@ class LLMEngine:
             status, reason = RequestStatus.FINISHED_STOPPED, detok.stop_string
         elif params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
-        elif req.num_tokens >= self.max_model_len:
+        elif req.num_tokens >= self.scheduler.max_request_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is None:
             return

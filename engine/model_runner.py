@@ -85,12 +85,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._dummy_forward(min(self.args.max_num_batched_tokens, self.max_model_len))
+        scratch_kv_bytes = self._dummy_forward(min(self.args.max_num_batched_tokens, self.max_model_len))
         torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        return budget, activation_peak
+        # the scratch KV of the dummy forward is not an activation: the real pool replaces it
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before - scratch_kv_bytes
+        return budget, max(activation_peak, 0)
 
-    def _dummy_forward(self, num_tokens: int) -> None:
+    def _dummy_forward(self, num_tokens: int) -> int:
+        """One forward over ``num_tokens`` prompt tokens into a scratch KV; returns the scratch KV bytes."""
         cfg = self.config
         bs = self.args.block_size
         num_blocks = (num_tokens + bs - 1) // bs
@@ -107,8 +109,10 @@ class ModelRunner:
             context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             logits_indices=torch.tensor([num_tokens - 1], device=self.device), is_decode=False)
         self.model.forward(batch)
+        scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
         del scratch
         self.model.kv_caches = []
+        return scratch_bytes
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.config
@@ -140,18 +144,16 @@ class ModelRunner:
         max_blocks = max(len(s.block_table) for s in scheduled)
         tables = []
         for item in scheduled:
-            req, n, table = item.request, item.num_new_tokens, item.block_table
-            start = req.num_computed_tokens
-            new_ids = _token_slice(req, start, start + n)
-            input_ids.extend(new_ids)
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            start, n, table = item.num_computed_tokens, item.num_new_tokens, item.block_table
+            input_ids.extend(item.token_ids)
+            positions.extend(item.positions)
+            slots.extend(table[p // bs] * bs + p % bs for p in item.positions)
             starts.append(starts[-1] + n)
             ctx_lens.append(start + n)
             tables.append(table + [0] * (max_blocks - len(table)))
-            if start + n == req.num_tokens:  # the step completes what is known: sample the next token
+            if item.needs_sample:  # the step completes what is known: sample the next token
                 logits_idx.append(starts[-1] - 1)
-                to_sample.append(req)
+                to_sample.append(item.request)
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -183,11 +185,3 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-
-def _token_slice(request: Request, start: int, end: int) -> list[int]:
-    prompt_len = request.num_prompt_tokens
-    if end <= prompt_len:
-        return request.prompt_token_ids[start:end]
-    if start >= prompt_len:
-        return request.output_token_ids[start - prompt_len:end - prompt_len]
-    return request.prompt_token_ids[start:] + request.output_token_ids[:end - prompt_len]

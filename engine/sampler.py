@@ -2,8 +2,9 @@
 
 The model runner calls ``Sampler.sample(logits, requests)`` once per step with one row of logits per running
 request. Everything is vectorized over the batch: per-row parameters become small tensors on the logits'
-device and penalties are applied with scatter/gather over padded token-id tensors, so there is no Python loop
-over the vocabulary and the whole step runs on the GPU with a single device-to-host copy at the end.
+device, penalties count tokens with one scatter-add over a flat token-id tensor (each request's history is
+kept as a numpy array that grows by the new tokens only), so there is no Python loop over the vocabulary or
+over the history, and the step runs on the GPU with one device-to-host copy at the end (two with logprobs).
 
 Reproducibility: a request with ``sampling_params.seed`` owns a ``torch.Generator`` (seeded from its seed and
 ``sample_index``) and draws the random numbers for its own row only, so its tokens do not depend on what else is
@@ -14,8 +15,10 @@ own generator (no cumulative sums that mix rows).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.request import EngineError, Logprob, Request, SamplingParams
@@ -53,10 +56,12 @@ class Sampler:
         self.seed = seed
         self._device_generators: dict[str, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
+        self._history = TokenHistory()
 
     def free(self, request_id: str) -> None:
-        """Forget a finished request's generator. Do not call it on preemption: the stream must continue."""
+        """Forget a finished request's generator and token history. Not on preemption: the stream continues."""
         self._request_generators.pop(request_id, None)
+        self._history.free(request_id)
 
     @property
     def num_request_generators(self) -> int:
@@ -67,7 +72,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} must be [num_seqs={len(requests)}, vocab]")
         logits = logits.float()  # [num_seqs, vocab]
-        processed = apply_logits_processors(logits, requests)  # [num_seqs, vocab]
+        processed = apply_logits_processors(logits, requests, self._history)  # [num_seqs, vocab]
         token_ids = processed.argmax(dim=-1)  # [num_seqs] greedy choice; ties -> lowest id
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
@@ -127,19 +132,23 @@ class Sampler:
         return generator
 
 
-def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
+                            history: TokenHistory | None = None) -> torch.Tensor:
     """logit_bias, min_tokens, repetition penalty, presence/frequency penalties, in that order.
 
     Returns a new tensor when anything applies (``logits`` itself otherwise); never writes into ``logits``.
+    ``history`` caches the requests' token ids between steps (a throwaway one is used when not given).
     """
+    history = history if history is not None else TokenHistory()
     out = logits
     for processor in (_apply_logit_bias, _apply_min_tokens, _apply_repetition_penalty,
                       _apply_presence_frequency):
-        out = processor(out, requests, owned=out is not logits)
+        out = processor(out, requests, history, owned=out is not logits)
     return out
 
 
-def _apply_logit_bias(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request], history: TokenHistory,
+                      owned: bool) -> torch.Tensor:
     rows, cols, values = [], [], []
     vocab = logits.shape[1]
     for i, request in enumerate(requests):
@@ -153,7 +162,8 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request], owned: bool
     return out.index_put_(index, torch.tensor(values, device=out.device), accumulate=True)
 
 
-def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], history: TokenHistory,
+                      owned: bool) -> torch.Tensor:
     """Until ``min_tokens`` tokens exist, the tokens that would stop the request cannot be picked."""
     rows, cols = [], []
     vocab = logits.shape[1]
@@ -174,14 +184,14 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], owned: bool
     return out
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], history: TokenHistory,
+                              owned: bool) -> torch.Tensor:
     """HF semantics over prompt + output: a seen token's logit is divided by p if positive, else multiplied."""
     selected = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
     if not selected:
         return logits
     device, vocab = logits.device, logits.shape[1]
-    token_ids = _padded([requests[i].all_token_ids for i in selected], pad=vocab, device=device)
-    seen = _token_counts(token_ids, vocab) > 0  # [n, vocab]
+    seen = _token_counts([history.all_ids(requests[i]) for i in selected], vocab, device) > 0  # [n, vocab]
     penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in selected],
                            device=device)[:, None]  # [n, 1]
     rows = torch.tensor(selected, device=device)
@@ -192,34 +202,81 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], own
     return out
 
 
-def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request], owned: bool) -> torch.Tensor:
+def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request], history: TokenHistory,
+                              owned: bool) -> torch.Tensor:
     """OpenAI semantics over output tokens: logit -= presence * (count > 0) + frequency * count."""
     selected = [i for i, r in enumerate(requests)
                 if r.sampling_params.presence_penalty != 0.0 or r.sampling_params.frequency_penalty != 0.0]
     if not selected:
         return logits
     device, vocab = logits.device, logits.shape[1]
-    token_ids = _padded([requests[i].output_token_ids for i in selected], pad=vocab, device=device)
-    counts = _token_counts(token_ids, vocab)  # [n, vocab]
+    counts = _token_counts([history.output_ids(requests[i]) for i in selected], vocab, device)  # [n, vocab]
     presence = torch.tensor([requests[i].sampling_params.presence_penalty for i in selected], device=device)
     frequency = torch.tensor([requests[i].sampling_params.frequency_penalty for i in selected], device=device)
     penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)  # [n, vocab]
     out = logits if owned else logits.clone()
-    return out.index_add_(0, torch.tensor(selected, device=device), -penalty)
+    # index_put_ rather than a 2-D index_add_, which is pathologically slow on CPU in recent torch.
+    return out.index_put_((torch.tensor(selected, device=device),), -penalty, accumulate=True)
 
 
-def _padded(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[n, max_len] int64, short rows filled with ``pad`` (an id one past the vocabulary)."""
-    width = max(1, max(len(ids) for ids in token_lists))
-    rows = [ids + [pad] * (width - len(ids)) for ids in token_lists]
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+def _token_counts(id_arrays: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each vocabulary id occurs in each row's ids: [n, vocab] float32 on ``device``.
+
+    The ids of all rows travel as one flat int64 tensor; a scatter-add of ones into the flattened
+    [n * vocab] counts does the counting (sums of ones are exact, so the order of atomics does not matter).
+    """
+    lengths = np.array([len(ids) for ids in id_arrays], dtype=np.int64)
+    rows = np.repeat(np.arange(len(id_arrays), dtype=np.int64), lengths)
+    flat = np.concatenate(id_arrays) if id_arrays else np.zeros(0, dtype=np.int64)
+    index = torch.from_numpy(rows * vocab + flat).to(device)  # [total_ids]
+    counts = torch.zeros(len(id_arrays) * vocab, device=device)
+    counts.index_add_(0, index, torch.ones(index.shape[0], device=device))
+    return counts.view(len(id_arrays), vocab)
 
 
-def _token_counts(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """How often each vocabulary id occurs per row of padded ``token_ids``: [n, vocab] float32."""
-    counts = torch.zeros((token_ids.shape[0], vocab + 1), device=token_ids.device)  # +1: the pad column
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
-    return counts[:, :vocab]
+@dataclass
+class _History:
+    buffer: np.ndarray  # int64, capacity >= length
+    length: int
+    num_prompt_tokens: int
+
+
+class TokenHistory:
+    """Each request's prompt + output ids as a numpy array, extended by the new tokens only.
+
+    Penalties need every row's full token history every step; converting Python lists to tensors from
+    scratch would cost O(history) interpreter work per row per step. Keyed by request id; ``free`` on finish.
+    If a request's tokens ever shrink (it was reset), its entry is rebuilt.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _History] = {}
+
+    def free(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+    def all_ids(self, request: Request) -> np.ndarray:
+        entry = self._entry(request)
+        return entry.buffer[:entry.length]
+
+    def output_ids(self, request: Request) -> np.ndarray:
+        entry = self._entry(request)
+        return entry.buffer[entry.num_prompt_tokens:entry.length]
+
+    def _entry(self, request: Request) -> _History:
+        entry = self._entries.get(request.request_id)
+        num_tokens = request.num_tokens
+        if entry is None or entry.length > num_tokens or entry.num_prompt_tokens != request.num_prompt_tokens:
+            ids = np.array(request.all_token_ids, dtype=np.int64)
+            entry = _History(np.resize(ids, max(16, 2 * len(ids))), len(ids), request.num_prompt_tokens)
+            self._entries[request.request_id] = entry
+        elif entry.length < num_tokens:
+            new = request.output_token_ids[entry.length - entry.num_prompt_tokens:]
+            if num_tokens > len(entry.buffer):
+                entry.buffer = np.resize(entry.buffer[:entry.length], 2 * num_tokens)
+            entry.buffer[entry.length:num_tokens] = new
+            entry.length = num_tokens
+        return entry
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -100,10 +100,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
+    if len(decode_rows) > 1:  # one vectorised pass for all single-token rows (the CPU path's common case)
+        rows = torch.tensor(decode_rows, device=q.device)
+        token_rows = query_start_loc[:-1].long()[rows]
+        out[token_rows] = paged_decode_attention(q[token_rows], k_cache, v_cache, block_tables[rows],
+                                                 context_lens[rows], scale)
     for i, ctx in enumerate(lens):
         q_i = q[starts[i]:starts[i + 1]].float()  # [q_len, H, D]
         q_len = q_i.shape[0]
-        if q_len == 0:
+        if q_len == 0 or (q_len == 1 and len(decode_rows) > 1):
             continue
         k = gather_kv(k_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = gather_kv(v_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)
@@ -118,9 +125,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence. q: [num_seqs, num_heads, head_dim] -> same shape."""
-    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    """One query token per sequence. q: [num_seqs, num_heads, head_dim] -> same shape.
+
+    Vectorised over the batch (this is the CPU decode path): gather every sequence's blocks into a padded
+    [num_seqs, max_ctx, kv_heads, head_dim] view and mask positions past each context length.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_ctx = int(context_lens.max())
+    num_blocks = (max_ctx + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]
+    k = k_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).float()
+    v = v_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).float()
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale  # [num_seqs, kv_heads, group, max_ctx_padded]
+    positions = torch.arange(num_blocks * block_size, device=q.device)
+    pad = positions[None, :] >= context_lens.to(q.device)[:, None].long()  # [num_seqs, max_ctx_padded]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # [num_seqs, kv_heads, group, head_dim]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:

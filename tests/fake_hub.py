@@ -89,6 +89,7 @@ class FakeHub:
         self.faults: dict[tuple[str, str], Fault] = {}
         self.lock = threading.Lock()
         self.requests = 0  # every request of any kind
+        self.ignore_range = False  # answer 200 + the whole file to Range requests, like some proxies/CDNs
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
@@ -96,7 +97,7 @@ class FakeHub:
         self.cdn = f"http://localhost:{self.port}"  # another origin: the token must not be sent there
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="fake-hub",
                                         daemon=True)
         self._thread.start()
@@ -108,7 +109,7 @@ class FakeHub:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self):  # -> FakeHub
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -276,7 +277,7 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if status is not None:
                 return self._error(status, None, "injected failure")
             start, end, code = 0, len(data), 200
-            if rng := self.headers.get("Range"):
+            if (rng := self.headers.get("Range")) and not hub.ignore_range:
                 m = _RANGE.match(rng.strip())
                 if m is None or int(m[1]) >= len(data):
                     return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"}, head=False)

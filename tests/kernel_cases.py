@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
 # reference rounds at the same points), attention (fp32 softmax; P rounded to fp16/bf16 for the PV product),
 # and relative Frobenius error for the W4A16 matmul (fp32 accumulation in both; different summation order).
 TOL = {
-    torch.float32: dict(elementwise=1e-5, attention=2e-3, matmul=5e-3),  # fp32 dots run as tf32 on GPUs
-    torch.float16: dict(elementwise=4e-3, attention=1e-2, matmul=2e-3),
-    torch.bfloat16: dict(elementwise=3e-2, attention=3e-2, matmul=1e-2),
+    torch.float32: {"elementwise": 1e-5, "attention": 2e-3, "matmul": 5e-3},  # fp32 dots run as tf32 on GPUs
+    torch.float16: {"elementwise": 4e-3, "attention": 1e-2, "matmul": 2e-3},
+    torch.bfloat16: {"elementwise": 3e-2, "attention": 3e-2, "matmul": 1e-2},
 }
 
 
@@ -227,3 +227,25 @@ def test_prefill_attention(dtype, block_size):
 @pytest.mark.parametrize("group_size,act_order", [(32, False), (64, True), (256, False)])
 def test_w4a16(dtype, m, group_size, act_order):
     check_w4a16("cpu", dtype, m, 256, 48, group_size, act_order)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_dequantize(group_size):
+    from kernels.triton.w4a16 import dequantize
+    qweight, scales, zeros = random_int4("cpu", torch.float16, 256, 80, group_size)
+    assert_close(dequantize(qweight, scales, zeros, group_size),
+                 ref.dequantize_int4(qweight, scales, zeros, group_size), 0.0, "dequantize")
+
+
+@pytest.mark.parametrize("kernel,scale_after", [("m1", False), ("m1", True), ("dot", False), ("dot", True)])
+def test_w4a16_gemv_variants(kernel, scale_after):
+    """Both GEMV kernels with the scale applied per weight or once per group after the K-step sum."""
+    from kernels.triton.w4a16 import w4a16_matmul
+    m = 1 if kernel == "m1" else 3
+    qweight, scales, zeros = random_int4("cpu", torch.float16, 256, 48, 64)
+    x = torch.randn(m, 256, dtype=torch.float16)
+    cfg = {"kernel": kernel, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1, "split": 2,
+           "SCALE_AFTER": scale_after}
+    out = w4a16_matmul(x, qweight, scales, zeros, 64, path="gemv", config=cfg)
+    exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 64).to(torch.float16)
+    assert_rel(out, exp, TOL[torch.float16]["matmul"], f"gemv {kernel} scale_after={scale_after}")

@@ -103,6 +103,16 @@ def test_flush_releases_an_unfinished_character_like_a_full_decode(tokenizer):
     assert "".join(deltas) == tokenizer.decode(ids)
 
 
+def test_prompt_cut_inside_a_character(tokenizer):
+    ids = tokenizer.encode("Look: 😀🎉 done", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith(REPLACEMENT))
+    prompt, output = ids[:cut], ids[cut:]
+    deltas = stream(IncrementalDetokenizer(tokenizer, prompt), output)
+    # The stray bytes show as U+FFFD, exactly as a full decode of the output shows them, and the rest is intact.
+    assert "".join(deltas) == tokenizer.decode(output)
+    assert "".join(deltas).endswith("🎉 done")
+
+
 def test_prompt_context_keeps_the_first_tokens_space():
     """SentencePiece-style decoders drop the first token's leading space; decoding after a few prompt tokens
     gives the text as it continues the prompt (what vLLM and OpenAI completions return)."""

@@ -5,19 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from fake_hub import FakeHub  # tests/ is on sys.path (pytest rootdir-less test folder)
 from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from safetensors.torch import save
 
 from engine.hub import DownloadCancelled, DownloadState, HubDownloader
 from engine.request import EngineError
-from tests.fake_hub import FakeHub
 
-MiB = 1 << 20
-CHUNK = 10 * MiB  # huggingface_hub's http_get writes in chunks of this size: partial files grow by it
+MiB = 1 << 20  # huggingface_hub's http_get writes 10 MiB chunks: the resume and cancel files are bigger
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -142,7 +142,8 @@ def test_interrupted_download_resumes_without_refetching_finished_files(fake_hub
 
     blob = hf_env / "models--org--tiny" / "blobs" / hashlib.sha256(files[big]).hexdigest()
     partial = blob.with_name(blob.name + ".incomplete")
-    assert partial.stat().st_size == CHUNK  # what was written before the cut stays on disk
+    kept = partial.stat().st_size
+    assert 0 < kept < len(files[big])  # what arrived before the cut stays on disk
     before = {n: fake_hub.file_stats("org/tiny", n) for n in needed_names(files)}
     fake_hub.reset_stats()
 
@@ -153,26 +154,32 @@ def test_interrupted_download_resumes_without_refetching_finished_files(fake_hub
     for name in needed_names(files) - {big}:
         assert before[name].gets == 1 and fake_hub.file_stats("org/tiny", name).gets == 0, name
     resumed = fake_hub.file_stats("org/tiny", big)
-    assert resumed.gets == 1 and resumed.ranges == [f"bytes={CHUNK}-"]
-    assert resumed.bytes_served == len(files[big]) - CHUNK
+    assert resumed.gets == 1 and resumed.ranges == [f"bytes={kept}-"]
+    assert resumed.bytes_served == len(files[big]) - kept
     assert path.name == repo.commit
+
+
+def cancel_during(downloader: HubDownloader, repo_id: str, filename: str):
+    """Start a download and cancel it from its own progress callback once ``filename`` has bytes on disk."""
+    started, handles = threading.Event(), []
+
+    def cancel_inside(progress):  # runs in the download thread, between two chunks of the file
+        if progress.current_file == filename and progress.bytes_done > 0:
+            started.wait(10)
+            handles[0].cancel()
+
+    handles.append(downloader.start(repo_id, callback=cancel_inside))
+    started.set()
+    with pytest.raises(DownloadCancelled):
+        handles[0].wait(timeout=30)
+    return handles[0]
 
 
 def test_cancel_leaves_resumable_state(fake_hub, hf_env):
     files = model_files(shard_sizes=(25 * MiB,))
     fake_hub.add_repo("org/tiny", files)
     downloader = HubDownloader()
-    seen = []
-
-    def cancel_inside_the_weights(progress):
-        seen.append(progress)
-        if progress.current_file == "model.safetensors" and progress.state == DownloadState.DOWNLOADING:
-            handle.cancel()
-
-    handle = downloader.start("org/tiny")
-    handle.subscribe(cancel_inside_the_weights)
-    with pytest.raises(DownloadCancelled):
-        handle.wait(timeout=30)
+    handle = cancel_during(downloader, "org/tiny", "model.safetensors")
 
     assert handle.progress.state == DownloadState.CANCELLED
     blob = hf_env / "models--org--tiny" / "blobs" / hashlib.sha256(files["model.safetensors"]).hexdigest()
@@ -190,6 +197,23 @@ def test_cancel_leaves_resumable_state(fake_hub, hf_env):
     assert stats.ranges == [f"bytes={kept}-"] and stats.bytes_served == len(files["model.safetensors"]) - kept
     first_moving = next(e for e in resumed_events if e.state == DownloadState.DOWNLOADING)
     assert first_moving.bytes_done >= kept  # progress starts from what is already on disk
+
+
+def test_server_ignoring_range_restarts_the_file_instead_of_corrupting_it(fake_hub, hf_env):
+    files = model_files(shard_sizes=(25 * MiB,))
+    fake_hub.add_repo("org/tiny", files)
+    downloader = HubDownloader()
+    cancel_during(downloader, "org/tiny", "model.safetensors")
+    fake_hub.ignore_range = True
+    fake_hub.reset_stats()
+
+    events = []
+    path = downloader.download("org/tiny", callback=events.append)
+
+    assert sha256(path / "model.safetensors") == hashlib.sha256(files["model.safetensors"]).hexdigest()
+    stats = fake_hub.file_stats("org/tiny", "model.safetensors")
+    assert len(stats.ranges) == 1 and stats.bytes_served == len(files["model.safetensors"])
+    assert events[-1].bytes_done == events[-1].bytes_total
 
 
 def test_gated_repo_tells_to_accept_the_license_and_set_hf_token(fake_hub, hf_env, monkeypatch):
@@ -319,3 +343,14 @@ def test_add_local_validates_folders_and_accepts_gguf_files(tmp_path):
         downloader.add_local(tmp_path / "missing.gguf")
     with pytest.raises(EngineError, match="not a .gguf"):
         downloader.add_local(folder / "config.json")
+
+
+def test_starting_a_running_download_joins_it(fake_hub, hf_env):
+    files = model_files(shard_sizes=(12 * MiB,))
+    fake_hub.add_repo("org/tiny", files)
+    downloader = HubDownloader()
+    first, second = downloader.start("org/tiny"), downloader.start("org/tiny")
+    assert first is second
+    assert first.wait(timeout=30) == second.wait(timeout=30)
+    assert fake_hub.file_stats("org/tiny", "model.safetensors").gets == 1
+    assert downloader.active() == []

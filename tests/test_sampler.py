@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.request import EngineError, Request, SamplingParams
-from engine.sampler import Sampler, apply_logits_processors, validate_for_vocab
+from engine.sampler import Sampler, TokenHistory, apply_logits_processors, validate_for_vocab
 
 VOCAB = 32
 NUM_DRAWS = 8192  # rows per statistical check: a frequency's std is at most 0.0055
@@ -31,6 +31,11 @@ def draw(logits_row: torch.Tensor, seed: int = 0, **params) -> list[int]:
     """NUM_DRAWS independent unseeded samples of one distribution, in one batched call."""
     requests = [make_request(f"r{i}", **params) for i in range(NUM_DRAWS)]
     return Sampler(seed=seed).sample(logits_row.expand(NUM_DRAWS, -1).contiguous(), requests).token_ids
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # (torch.testing.assert_close would import torch.distributed on first use: seconds on a small CI box)
+    assert torch.allclose(actual, expected, rtol=1e-6, atol=1e-5), (actual, expected)
 
 
 def softmax(values: list[float]) -> list[float]:
@@ -252,12 +257,33 @@ def test_penalties_match_per_row_reference():
     ]
     processed = apply_logits_processors(logits, requests)
     for i, request in enumerate(requests):
-        torch.testing.assert_close(processed[i], reference_processed(logits[i], request), rtol=1e-6, atol=1e-5)
+        assert_close(processed[i], reference_processed(logits[i], request))
     # And the greedy choice is the argmax of the reference-processed logits.
     for request in requests:
         request.sampling_params.temperature = 0.0
     chosen = Sampler().sample(logits, requests).token_ids
     assert chosen == [int(reference_processed(logits[i], r).argmax()) for i, r in enumerate(requests)]
+
+
+def test_penalties_follow_a_growing_history():
+    """The sampler keeps each request's token history between steps; it must track appended tokens,
+    a request whose outputs were reset, and a freed request id that comes back with other tokens."""
+    gen = torch.Generator().manual_seed(6)
+    history = TokenHistory()
+    requests = [make_request("a", prompt=[3, 4], repetition_penalty=1.4, frequency_penalty=0.5),
+                make_request("b", prompt=list(range(20)), presence_penalty=0.9, repetition_penalty=0.7)]
+    for step in range(40):
+        logits = torch.randn(2, VOCAB, generator=gen) * 3
+        processed = apply_logits_processors(logits, requests, history)
+        for i, request in enumerate(requests):
+            assert_close(processed[i], reference_processed(logits[i], request))
+        for request in requests:
+            request.output_token_ids.extend(torch.randint(VOCAB, (step % 3,), generator=gen).tolist())
+        if step == 20:
+            requests[0].output_token_ids.clear()
+        if step == 30:
+            history.free("b")
+            requests[1] = make_request("b", prompt=[9], output=[9, 9], frequency_penalty=-1.0)
 
 
 def test_repetition_penalty_direction():
@@ -325,7 +351,7 @@ def test_logprobs_come_from_raw_logits_and_include_top_k():
         chosen = out.token_ids[i]
         top = reference[i].topk(request.sampling_params.logprobs).indices.tolist()
         assert set(entries) == {chosen, *top}
-        assert list(entries)[0] == chosen  # the sampled token comes first
+        assert next(iter(entries)) == chosen  # the sampled token comes first
         for token_id, logprob in entries.items():
             assert logprob.token_id == token_id
             assert logprob.logprob == pytest.approx(float(reference[i, token_id]), abs=1e-5)

@@ -1,26 +1,219 @@
-"""Builds the one FastAPI app that serves the API and the UI around one engine."""
+"""Builds the one FastAPI app that serves the OpenAI API, the admin routes, /metrics and the UI around one engine.
+
+The API paths sit behind a small ASGI guard that runs before any body parsing: the API key (401), a body size
+limit (413), and a refusal of cross-site browser requests (403) so a web page cannot drive the local API.
+"""
 
 from __future__ import annotations
 
+import hmac
+import importlib
+import ipaddress
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
+from engine.metrics import CONTENT_TYPE
+from engine.serving import admin_routes, openai_routes
+from engine.serving.errors import APIError, error_payload, install_error_handlers
+
+log = logging.getLogger("pagoda.server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-def build_server(args: EngineArgs, api_key: str | None = None, host: str = "127.0.0.1", port: int = 7860) -> FastAPI:
-    """Load the model first (so /health is 200 only when it serves), then return the app."""
-    engine = LLMEngine(args)
-    app = FastAPI(title="Pagoda")
+def pagoda_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pagoda")
+    except Exception:
+        return "0.0.0+local"
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 7860
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    @property
+    def allow_local_paths(self) -> bool:
+        """Load local folders by path only when the server is private (loopback) or key-protected."""
+        return bool(self.api_key) or is_loopback(self.host)
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from the guarded ``receive`` when a streamed body passes the limit (FastAPI re-raises HTTP errors)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body larger than {limit} bytes")
+
+
+class APIGuard:
+    """ASGI middleware on the API paths: API key, cross-site refusal, body size limit. UI paths pass through."""
+
+    def __init__(self, app, settings: ServerSettings):
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        error = self._check(headers)
+        if error is not None:
+            await self._reply(error, send)
+            return
+        limit = self.settings.max_body_bytes
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _check(self, headers: dict[str, str]) -> APIError | None:
+        key = self.settings.api_key
+        if key:
+            auth = headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                None, "invalid_api_key")
+        origin = headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != headers.get("host", ""):
+            return APIError(403, "cross-origin browser requests to the API are refused", None, "cross_origin")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return APIError(400, "invalid Content-Length header", None, "invalid_request")
+            if int(length) > self.settings.max_body_bytes:
+                return self._too_large()
+        return None
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.settings.max_body_bytes} bytes", None,
+                        "request_too_large")
+
+    @staticmethod
+    async def _reply(error: APIError, send) -> None:
+        body = json.dumps(error_payload(error.message, error.type, error.param, error.code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if error.status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def mount_ui(app: FastAPI, client: AsyncEngine) -> bool:
+    """Mount the Gradio UI at "/" when the ``ui`` package provides ``mount(app, client)``."""
+    try:
+        ui = importlib.import_module("ui")
+    except ImportError:
+        return False
+    mount = getattr(ui, "mount", None)
+    if not callable(mount):
+        return False
+    mount(app, client)
+    return True
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = True) -> FastAPI:
+    """The app around an existing AsyncEngine (tests and embedding use this; ``build_server`` loads first)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        engine.shutdown()
+
+    version = pagoda_version()
+    app = FastAPI(title="Pagoda", version=version, lifespan=lifespan,
+                  description="OpenAI-compatible API of a local paged-KV continuous-batching engine.")
     app.state.engine = engine
+    app.state.settings = settings
+    install_error_handlers(app)
+
+    app.include_router(openai_routes.build_router(engine, fingerprint=f"pagoda-{version}"))
+    app.include_router(admin_routes.build_router(engine, settings.allow_local_paths))
 
     @app.get("/health")
-    def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": engine.model_name})
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", "model": engine.model_name, "loading": engine.loading_model})
 
-    @app.get("/", response_class=HTMLResponse)
-    def index() -> str:
-        return f"<html><body><h1>Pagoda</h1><p>Serving {engine.model_name}.</p></body></html>"
+    @app.get("/version")
+    async def get_version() -> JSONResponse:
+        return JSONResponse({"version": version})
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(APIGuard, settings=settings)
+    if with_ui and not mount_ui(app, engine):
+        @app.get("/", include_in_schema=False)
+        async def index() -> JSONResponse:
+            return JSONResponse({"name": "Pagoda", "model": engine.model_name, "api": "/v1", "docs": "/docs"})
     return app
+
+
+def build_server(args: EngineArgs, api_key: str | None = None, host: str = "127.0.0.1", port: int = 7860,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """Load the model first (so the port opens only when it serves), then return the app."""
+    if not api_key and not is_loopback(host):
+        log.warning("listening on %s without an API key: anyone who can reach this port can use the model", host)
+    engine = AsyncEngine(args)
+    return build_app(engine, ServerSettings(api_key or None, host, port, max_body_bytes))
+
+
+class ServerThread:
+    """uvicorn in a background thread (tests, notebooks): ``with ServerThread(app, port) as url: ...``."""
+
+    def __init__(self, app: FastAPI, port: int, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=3))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.05)
+        return self.url
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -53,7 +53,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr,
         t_mask = t < end
         block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         offs = t % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
+        kv_mask = t_mask[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))  # constant along D when even
         k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
@@ -103,10 +103,10 @@ def _reduce_kernel(part_acc, part_ml, out_ptr, num_splits, stride_os, stride_oh,
 
 
 def _config(block_size: int) -> dict:
-    """Keys per loop step and pipelining: 64 keys (4 blocks of 16), 3 stages deep, on a GPU."""
+    """Keys per loop step and pipelining: 64 keys (4 blocks of 16), 4 stages deep (measured best), on a GPU."""
     if interpreting():
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=max(64, block_size), num_warps=4, num_stages=3)
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": max(64, block_size), "num_warps": 4, "num_stages": 4}
 
 
 def choose_partition(num_seqs: int, num_kv_heads: int, max_ctx: int, block_n: int, sms: int) -> int:

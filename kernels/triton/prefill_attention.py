@@ -20,26 +20,42 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, k_lo, k_hi, q_pos, d, d_mask,
-               stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, k_lo, k_hi, q_pos, d,
+               stride_kb, stride_kt, stride_vb, stride_vt,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr):
+    # keys [k_lo, k_hi); unmasked tiles (MASKED False) are whole BLOCK_N tiles every query row may see
     for t0 in range(k_lo, k_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        t_mask = t < k_hi
-        block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         offs = t % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            t_mask = t < k_hi
+            block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+            kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
+            k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
+                        mask=kv_mask, other=0.0)
+        else:
+            block = tl.load(bt_row + t // BLOCK_SIZE).to(tl.int64)
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :])
+                v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :])
+            else:
+                k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
+                            mask=d[None, :] < HEAD_DIM, other=0.0)
+                v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
+                            mask=d[None, :] < HEAD_DIM, other=0.0)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], log2 domain (q carries scale * log2 e)
         if MASKED:
             s = tl.where((t[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        else:
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -53,7 +69,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, cont
                     stride_bts, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles (longest causal rows) start first
     head = tl.program_id(1)
     # which sequence owns tile ``pid``: prefix sum of per-sequence tile counts
     s_idx = tl.arange(0, BLOCK_S)
@@ -79,6 +95,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, cont
     tok = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = (q.to(tl.float32) * qk_scale).to(q.dtype)  # fold softmax scale and log2 e into q once
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -91,12 +108,12 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, cont
     last_pos = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the last key any row of the tile sees
     last_pos = tl.where(valid, last_pos, 0)
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, last_pos)  # keys visible to every row
-    acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, 0, full_end, q_pos, d, d_mask,
-                               stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                               BLOCK_SIZE, BLOCK_N, False)
-    acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, full_end, last_pos, q_pos, d, d_mask,
-                               stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                               BLOCK_SIZE, BLOCK_N, True)
+    acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, 0, full_end, q_pos, d,
+                               stride_kb, stride_kt, stride_vb, stride_vt,
+                               HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False)
+    acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, full_end, last_pos, q_pos, d,
+                               stride_kb, stride_kt, stride_vb, stride_vt,
+                               HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -104,12 +121,12 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, cont
 
 
 def _config(head_dim: int, device: torch.device) -> dict:
-    """Tile shape: small under the interpreter; 128x64 with 8 warps for head_dim <= 128 on a GPU."""
+    """Tile shape: small under the interpreter; 128x128, 8 warps, 3 stages for head_dim 128 on a GPU (measured best)."""
     if interpreting() or device.type != "cuda":
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -26,36 +26,72 @@ DEQUANT_MIN_M = 1024
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size,
-                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
-    # packed rows [k0 // 8, k0 // 8 + BLOCK_K // 8) x columns rn -> dequantized [BLOCK_K, BLOCK_N] in DTYPE
+def _codes_to(codes, DTYPE: tl.constexpr):
+    """Int codes 0..15 -> DTYPE without int->float converts: OR the code into the mantissa of a power of two
+    (1024 in fp16, 128 in bf16, 2**23 in fp32), reinterpret the bits, subtract that power. Exact."""
+    if DTYPE == tl.float16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    elif DTYPE == tl.bfloat16:
+        return (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
+    else:
+        return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # packed rows [k0 // 8, k0 // 8 + BLOCK_K // 8) x columns rn -> int codes [BLOCK_K, BLOCK_N]
     rp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     qw = tl.load(qw_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
     codes = (qw[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K // 8, 8, BLOCK_N]
-    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # row 8r + j = nibble j of packed row r
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))  # row 8r + j = nibble j of packed row r
+
+
+@triton.jit
+def _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, DTYPE: tl.constexpr):
+    # scale and zero rows [BLOCK_N] of the group holding input row k0
     g = (k0 // group_size).to(tl.int64)
     s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(DTYPE)
     z = tl.load(zeros_ptr + g * N + rn, mask=n_mask, other=0.0).to(DTYPE)
-    return (codes.to(DTYPE) - z[None, :]) * s[None, :]
+    return s, z
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    # -> dequantized [BLOCK_K, BLOCK_N] in DTYPE, rounded like the reference: (code - zero) * scale in DTYPE
+    codes = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), DTYPE)
+    s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, DTYPE)
+    return (codes - z[None, :]) * s[None, :]
 
 
 def _tc_configs() -> list[triton.Config]:
-    """A few tensor-core tiles; ``_prune`` keeps those whose BLOCK_M suits the M bucket."""
+    """A few tensor-core tiles per M bucket (32, 64, 128, >= 256); ``_prune`` keeps the bucket's ones."""
     shapes = [(32, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-              (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)]
-    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
+              (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+              (256, 128, 64, 8, 3)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bm, bn, bk, w, st in shapes]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Keep the tiles whose BLOCK_M suits the M bucket and whose BLOCK_K divides the group size."""
+    """Keep the tiles whose BLOCK_M suits the M bucket, with BLOCK_K shrunk to divide the group size."""
     args = {**named_args, **kwargs}
     m_bucket, group = args["M_BUCKET"], args["GROUP_KEY"]
-    fits = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]
-    keep = [c for c in fits if c.kwargs["BLOCK_M"] <= max(32, m_bucket)
-            and (m_bucket >= 128) == (c.kwargs["BLOCK_M"] == 128)]
-    return keep or fits[:1]
+    want = {min(128, max(32, m_bucket))} | ({256} if m_bucket >= 256 else set())
+    keep, seen = [], set()
+    for c in configs:
+        if c.kwargs["BLOCK_M"] not in want:
+            continue
+        bk = c.kwargs["BLOCK_K"]
+        while group % bk:
+            bk //= 2
+        kw = {**c.kwargs, "BLOCK_K": bk}
+        key = (tuple(sorted(kw.items())), c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            keep.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
+    return keep
 
 
 @triton.autotune(configs=_tc_configs(), key=["M_BUCKET", "N", "K", "GROUP_KEY", "SPLIT"],
@@ -63,7 +99,7 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N, K, group_size, k_per_split,
                   stride_xm, stride_om, M_BUCKET, GROUP_KEY,
-                  HAS_PERM: tl.constexpr, SPLIT: tl.constexpr,
+                  HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # x [M, K] @ W [K, N]; grid = (m tiles * n tiles, splits); out [M, N] or fp32 partials [splits, M, N]
     pid = tl.program_id(0)
@@ -85,8 +121,18 @@ def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N,
         if HAS_PERM:
             rk = tl.load(perm_ptr + rk)
         x = tl.load(x_rows + rk[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N, dtype)
-        acc = tl.dot(x, w, acc)
+        if SCALE_AFTER:
+            # the K step lies in one group, so x @ ((c - z) * s) = (x @ c - rowsum(x) * z) * s per column:
+            # the weight tile needs no arithmetic beyond its exact conversion (cheaper when BLOCK_M << BLOCK_K)
+            c = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), dtype)
+            s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, tl.float32)
+            xc = tl.dot(x, c)  # [BLOCK_M, BLOCK_N] fp32, exact products of small integers
+            x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
+            acc += (xc - x_sum[:, None] * z[None, :]) * s[None, :]
+        else:
+            w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N,
+                              dtype)
+            acc = tl.dot(x, w, acc)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         dst = out_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
@@ -97,28 +143,35 @@ def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N,
 
 @triton.jit
 def _gemv_m1_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, N, K, group_size, k_per_split,
-                    HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # x [1, K] @ W [K, N] without tensor cores: products accumulate in a [BLOCK_K, BLOCK_N] register tile
+                    HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # x [1, K] @ W [K, N] without tensor cores, fp32 FMAs into a [BLOCK_K, BLOCK_N] register tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    dtype = x_ptr.dtype.element_ty
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    y = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if HAS_PERM:
             rk = tl.load(perm_ptr + rk)
         x = tl.load(x_ptr + rk).to(tl.float32)  # [BLOCK_K]
-        w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N, dtype)
-        acc += x[:, None] * w.to(tl.float32)
-    y = tl.sum(acc, axis=0)  # [BLOCK_N]
+        c = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), tl.float32)
+        s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, tl.float32)
+        if SCALE_AFTER:  # per group: (sum_k x c - z sum_k x) * s
+            xc = tl.sum(x[:, None] * c, axis=0)  # [BLOCK_N]
+            y += (xc - tl.sum(x, axis=0) * z) * s
+        else:
+            acc += x[:, None] * ((c - z[None, :]) * s[None, :])
+    if not SCALE_AFTER:
+        y = tl.sum(acc, axis=0)  # [BLOCK_N]
     if SPLIT:
         tl.store(out_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
     else:
-        tl.store(out_ptr + rn, y.to(dtype), mask=n_mask)
+        tl.store(out_ptr + rn, y.to(x_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -127,7 +180,7 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, MN, N, splits, stride_om, BLOCK: tl
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, splits):
+    for s in range(splits):
         acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
     tl.store(out_ptr + (offs // N) * stride_om + offs % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -148,21 +201,25 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, group_size,
 
 
 def _k_unit(group_size: int) -> int:
-    """Granule of K that every split covers whole (a multiple of every BLOCK_K the configs may pick)."""
-    return 128 if group_size % 128 == 0 else group_size
+    """Largest power of two <= 128 dividing the group size: every BLOCK_K divides it, and splits cover whole
+    units, so each K step stays inside one group."""
+    unit = 128
+    while group_size % unit:
+        unit //= 2
+    return unit
 
 
 def gemv_config(m: int, n: int, k: int, group_size: int, sms: int) -> dict:
     """Tile, warps and split-K for M <= 16: enough programs (~4 per SM) to keep the weight stream in flight."""
     if interpreting():
-        return dict(kernel="m1" if m == 1 else "dot", BLOCK_N=16, BLOCK_K=min(32, group_size), num_warps=1,
-                    num_stages=1, split=max(1, min(2, k // min(32, group_size))))
-    block_k = min(128, group_size)
+        return {"kernel": "m1" if m == 1 else "dot", "BLOCK_N": 16, "BLOCK_K": min(32, group_size), "num_warps": 1,
+                    "num_stages": 1, "split": max(1, min(2, k // min(32, group_size)))}
+    block_k = _k_unit(group_size)
     block_n = 64 if m == 1 else 128
     kernel = "m1" if m == 1 else "dot"
     tiles = cdiv(n, block_n)
     split = max(1, min(cdiv(4 * sms, tiles), k // _k_unit(group_size), 16))
-    return dict(kernel=kernel, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4, split=split)
+    return {"kernel": kernel, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4, "split": split}
 
 
 def _split_k(k: int, unit: int, split: int) -> tuple[int, int]:
@@ -184,8 +241,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, perm: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                 group_size: int, perm: torch.Tensor | None = None, path: str | None = None,
+                 config: dict | None = None) -> torch.Tensor:
     # x: [M, K] fp16/bf16; qweight: [K // 8, N] int32; scales, zeros: [K // G, N]; perm: [K] -> y [M, N]
+    # path: None picks by M; "gemv", "tc" or "dequant" force one (benchmarks); config: a gemv tile (benchmarks)
     m, k = x.shape
     n = qweight.shape[1]
     group_size = k if group_size <= 0 else group_size
@@ -201,45 +260,61 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     scales = scales.to(x.dtype).contiguous()
     zeros = zeros.to(x.dtype).contiguous()
     qweight = qweight.contiguous()
+    if path is None:
+        path = "gemv" if m <= 16 else ("dequant" if m >= DEQUANT_MIN_M and not interpreting() else "tc")
+    if path == "dequant":
+        xp = x if perm is None else x[:, perm]
+        return torch.matmul(xp, dequantize(qweight, scales, zeros, group_size))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if m >= DEQUANT_MIN_M and config is None and not interpreting():
-        xp = x if perm is None else x[:, perm]
-        return torch.matmul(xp, dequantize(qweight, scales, zeros, group_size))
-    has_perm = perm is not None
-    perm_arg = perm if has_perm else qweight
+    args = (qweight, scales, zeros, perm if perm is not None else qweight)
     sms = num_sms(x.device)
-    if m <= 16 or config is not None:
-        cfg = dict(config or gemv_config(m, n, k, group_size, sms))
-        kind, split = cfg.pop("kernel"), cfg.pop("split")
-        k_per_split, split = _split_k(k, _k_unit(group_size), split)
-        dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-        if kind == "m1" and m == 1:
-            grid = (cdiv(n, cfg["BLOCK_N"]), split)
-            _gemv_m1_kernel[grid](x, qweight, scales, zeros, perm_arg, dst, n, k, group_size, k_per_split,
-                                  HAS_PERM=has_perm, SPLIT=split > 1, **cfg)
-        else:
-            block_m = cfg.pop("BLOCK_M", 16)
-            grid = (cdiv(m, block_m) * cdiv(n, cfg["BLOCK_N"]), split)
-            launch(_w4a16_kernel, grid, x, qweight, scales, zeros, perm_arg, dst, m, n, k, group_size, k_per_split,
-                   x.stride(0), out.stride(0), 16, group_size, HAS_PERM=has_perm, SPLIT=split > 1,
-                   config=dict(BLOCK_M=block_m, **cfg))
+    if path == "gemv":
+        split = _gemv(x, args, out, m, n, k, group_size, perm is not None,
+                      dict(config or gemv_config(m, n, k, group_size, sms)))
     else:
-        m_bucket = min(256, next_pow2(m))
-        tiles = cdiv(m, min(m_bucket, 128)) * cdiv(n, 128)
-        split = max(1, min(cdiv(sms, tiles), 8)) if m <= 64 else 1
-        k_per_split, split = _split_k(k, _k_unit(group_size), split)
-        dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-
-        def grid(meta):
-            return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
-
-        fixed = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=min(32, group_size), num_warps=4) if interpreting() else None
-        launch(_w4a16_kernel, grid, x, qweight, scales, zeros, perm_arg, dst, m, n, k, group_size, k_per_split,
-               x.stride(0), out.stride(0), m_bucket, group_size, HAS_PERM=has_perm, SPLIT=split > 1, config=fixed)
-    if split > 1:
+        split = _tc(x, args, out, m, n, k, group_size, perm is not None, sms)
+    if split is not None:
+        parts, splits = split
         block = 1024 if not interpreting() else 256
-        _splitk_reduce_kernel[(cdiv(m * n, block),)](dst, out, m * n, n, split, out.stride(0), BLOCK=block,
+        _splitk_reduce_kernel[(cdiv(m * n, block),)](parts, out, m * n, n, splits, out.stride(0), BLOCK=block,
                                                      num_warps=4)
     return out
+
+
+def _gemv(x, args, out, m, n, k, group_size, has_perm, cfg):
+    """M <= 16: returns (fp32 partials, splits) when split-K needs a reduce, else None."""
+    kind, split = cfg.pop("kernel"), cfg.pop("split")
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], _k_unit(group_size))
+    k_per_split, split = _split_k(k, _k_unit(group_size), split)
+    dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    if kind == "m1" and m == 1:
+        grid = (cdiv(n, cfg["BLOCK_N"]), split)
+        cfg.setdefault("SCALE_AFTER", False)
+        _gemv_m1_kernel[grid](x, *args, dst, n, k, group_size, k_per_split, HAS_PERM=has_perm, SPLIT=split > 1,
+                              **cfg)
+    else:
+        cfg.setdefault("BLOCK_M", 16)
+        cfg.setdefault("SCALE_AFTER", True)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
+        launch(_w4a16_kernel, grid, x, *args, dst, m, n, k, group_size, k_per_split, x.stride(0), out.stride(0),
+               16, group_size, HAS_PERM=has_perm, SPLIT=split > 1, config=cfg)
+    return (dst, split) if split > 1 else None
+
+
+def _tc(x, args, out, m, n, k, group_size, has_perm, sms):
+    """M > 16: autotuned tensor-core tiles; split-K only while the M x N tiles cannot fill the GPU."""
+    m_bucket = min(256, next_pow2(m))
+    tiles = cdiv(m, min(m_bucket, 128)) * cdiv(n, 128)
+    split = max(1, min(cdiv(sms, tiles), 8)) if m <= 64 else 1
+    k_per_split, split = _split_k(k, _k_unit(group_size), split)
+    dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+
+    def grid(meta):
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
+
+    fixed = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": min(32, group_size), "num_warps": 4} if interpreting() else None
+    launch(_w4a16_kernel, grid, x, *args, dst, m, n, k, group_size, k_per_split, x.stride(0), out.stride(0),
+           m_bucket, group_size, HAS_PERM=has_perm, SPLIT=split > 1, SCALE_AFTER=False, config=fixed)
+    return (dst, split) if split > 1 else None

@@ -1,0 +1,546 @@
+"""The engine loop in a background thread, asyncio streams per request, abort on cancel, and model switching.
+
+Why a thread: ``LLMEngine.step()`` is blocking torch work. Running it on the event loop would freeze every
+HTTP connection (and the UI) for the length of a step, so one thread per loaded model owns its LLMEngine and
+is the only code that ever touches it. Everything else talks to that thread through an ordered command queue
+(add, abort, stop) guarded by a condition variable; the thread sleeps on the condition when there is nothing
+to do, so an idle server burns no CPU.
+
+Outputs travel back with ``loop.call_soon_threadsafe``. ``RequestOutput`` text and token ids are cumulative,
+so a stream keeps only the newest output (a slow consumer never grows a queue: it just sees bigger deltas);
+``DeltaTracker`` turns cumulative outputs into per-sample deltas for SSE.
+
+Cancellation: ``generate`` is an async generator; when its consumer is cancelled (client disconnect), closes
+it (``aclose``) or stops iterating, its ``finally`` queues an abort, and the loop thread frees the request's
+KV blocks before its next step.
+
+Switching: the new LLMEngine is built (in the caller's worker thread) while the old one keeps serving. If the
+build fails the old one is untouched. If it succeeds the new loop starts, the old loop fails its in-flight
+streams with ``ModelSwitchedError`` and releases its memory. ``release_first=True`` (the default on CUDA,
+where two models rarely fit one memory budget) frees the old model before loading and reloads it if the new
+one fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+from engine.config import EngineArgs, resolve_device
+from engine.request import Logprob, RequestOutput, SamplingParams
+from engine.sampler import validate_for_vocab
+
+log = logging.getLogger("pagoda.async_engine")
+
+ModelLoader = Callable[[EngineArgs], "object"]  # EngineArgs -> an LLMEngine (or a test double with its API)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The request cannot be served right now (HTTP 503): no model, a switch, a shutdown."""
+
+    def __init__(self, message: str, code: str = "engine_unavailable"):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class ModelSwitchedError(EngineUnavailableError):
+    """The model serving this request was replaced; the request was aborted."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="model_switched")
+
+
+class NoModelLoadedError(EngineUnavailableError):
+    def __init__(self, message: str = "no model loaded: load one with POST /v1/models/load or from the UI"):
+        super().__init__(message, code="no_model_loaded")
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request (a bug, or the device failed); it was aborted."""
+
+
+# ---- per-sample deltas ---------------------------------------------------------------------------------------
+@dataclass
+class SampleDelta:
+    """What one sample gained since the last output: new text, token ids and logprobs; set when it finished."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class DeltaTracker:
+    """Turns cumulative RequestOutputs into per-sample deltas (for streaming). One tracker per request."""
+
+    _seen: dict[int, tuple[int, int, int, bool]] = field(default_factory=dict)  # index -> (chars, tokens, lps, done)
+
+    def update(self, output: RequestOutput) -> list[SampleDelta]:
+        deltas = []
+        for sample in output.outputs:
+            chars, tokens, lps, done = self._seen.get(sample.index, (0, 0, 0, False))
+            if done:
+                continue
+            finished = sample.finish_reason is not None
+            new_tokens = sample.token_ids[tokens:]
+            if not new_tokens and len(sample.text) == chars and not finished:
+                continue
+            new_lps = sample.logprobs[lps:] if sample.logprobs is not None else None
+            deltas.append(SampleDelta(sample.index, sample.text[chars:], list(new_tokens), new_lps,
+                                      sample.finish_reason, sample.stop_reason))
+            self._seen[sample.index] = (len(sample.text), len(sample.token_ids),
+                                        len(sample.logprobs or ()), finished)
+        return deltas
+
+
+# ---- one request's stream ------------------------------------------------------------------------------------
+class _Stream:
+    """The consumer side of one request: the newest output or an error, handed over from the loop thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.added: asyncio.Future = loop.create_future()
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    # Called on the event loop (scheduled from the engine thread).
+    def _set_added(self, error: BaseException | None) -> None:
+        if self.added.done():
+            return
+        if error is None:
+            self.added.set_result(None)
+        else:
+            self.added.set_exception(error)
+
+    def _put(self, output: RequestOutput) -> None:
+        self.latest = output
+        self.ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._set_added(error)
+        self.error = error
+        self.ready.set()
+
+    # Called from the engine thread.
+    def post(self, fn: Callable, arg) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(fn, arg)
+            return True
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+            return False
+
+    async def next(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.error is not None:
+            raise self.error
+        output, self.latest = self.latest, None
+        return output
+
+
+# ---- the loop thread of one loaded model ---------------------------------------------------------------------
+class _Worker:
+    """Owns one LLMEngine and the thread that steps it. Only that thread calls the engine after construction."""
+
+    _ids = itertools.count()
+
+    def __init__(self, engine, args: EngineArgs):
+        self.engine = engine
+        self.args = args
+        self.model_name: str = engine.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        config = getattr(engine, "model_config", None)
+        self.vocab_size: int = getattr(config, "vocab_size", None) or self.tokenizer.vocab_size
+        self._cond = threading.Condition()
+        self._commands: deque[tuple] = deque()
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._closed_error: BaseException | None = None  # set once stop is requested
+        self._stats: dict = dict(engine.stats())
+        self.loaded_at = time.time()
+        self.thread = threading.Thread(target=self._run, name=f"pagoda-engine-{next(self._ids)}-{self.model_name}",
+                                       daemon=True)
+        self.thread.start()
+
+    # ---- any thread -------------------------------------------------------------------------------------
+    def submit_add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                   params: SamplingParams, stream: _Stream) -> None:
+        self._push(("add", request_id, prompt, prompt_token_ids, params, stream))
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            if self._closed_error is None:
+                self._commands.append(("abort", request_id))
+                self._cond.notify()
+
+    def stop(self, error: BaseException) -> None:
+        """Fail every in-flight and queued request with ``error``, release the engine, end the thread."""
+        with self._cond:
+            if self._closed_error is None:
+                self._closed_error = error
+                self._commands.append(("stop",))
+                self._cond.notify()
+
+    def stats(self) -> dict:
+        return self._stats  # replaced (never mutated) by the loop thread: a consistent snapshot
+
+    def _push(self, command: tuple) -> None:
+        with self._cond:
+            if self._closed_error is not None:
+                raise self._closed_error
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- the loop thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._commands and not self.engine.has_unfinished_requests():
+                    self._cond.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+            if self._apply(commands):
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._stats = dict(self.engine.stats())
+
+    def _apply(self, commands: list[tuple]) -> bool:
+        """Run queued commands in order; True when the worker must stop."""
+        for command in commands:
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "stop":
+                self._shutdown()
+                return True
+        return False
+
+    def _add(self, request_id: str, prompt, prompt_token_ids, params, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params)
+        except Exception as exc:  # EngineError for bad input; anything else is reported to the caller too
+            stream.post(stream._set_added, exc)
+            return
+        self._streams[request_id] = stream
+        if not stream.post(stream._set_added, None):
+            self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug or a device failure: fail the requests, keep the loop alive
+            log.exception("engine step failed; aborting %d request(s)", len(self._streams))
+            error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
+            for request_id, stream in list(self._streams.items()):
+                stream.post(stream._fail, error)
+                self._abort(request_id)
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            if not stream.post(stream._put, output) and not output.finished:
+                self._abort(output.request_id)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            leftovers = list(self._commands)
+            self._commands.clear()
+        error = self._closed_error
+        for command in leftovers:  # adds that raced with the stop
+            if command[0] == "add":
+                command[-1].post(command[-1]._fail, error)
+        for request_id, stream in list(self._streams.items()):
+            stream.post(stream._fail, error)
+            self._abort(request_id)
+        try:
+            self.engine.release()
+        except Exception:
+            log.exception("releasing %s failed", self.model_name)
+        self._stats = {}
+        self.engine = None  # drop the last reference from this thread
+
+
+class RequestStream:
+    """The outputs of one accepted request. Leaving it early (``aclose``, ``async with``, cancellation, garbage
+    collection) aborts the request, which frees its KV blocks before the engine's next step."""
+
+    def __init__(self, worker: _Worker, request_id: str, stream: _Stream, timing):
+        self.request_id = request_id
+        self.model_name = worker.model_name
+        self._worker, self._stream, self._timing = worker, stream, timing
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            output = await self._stream.next()
+        except BaseException:  # cancelled, or the engine ended the request with an error
+            self.abort()
+            raise
+        self._timing.on_output(output)
+        if output.finished:
+            self._done = True
+        return output
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._worker.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._worker.abort(self.request_id)
+
+
+def _free_memory(device_type: str) -> None:
+    """Give freed tensors back: cycles first (the model graph has some), then the CUDA caching allocator."""
+    gc.collect()
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _default_loader(args: EngineArgs):
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(args)
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What ``switch_model`` did: the model now serving and how long the load took."""
+
+    model: str
+    max_model_len: int
+    load_seconds: float
+    previous: str | None
+
+
+class AsyncEngine:
+    """One served model at a time behind an asyncio API; safe to call from any event loop or thread."""
+
+    def __init__(self, engine_args: EngineArgs | None = None, *, model_loader: ModelLoader | None = None,
+                 load: bool = True):
+        """``load=False`` starts with no model (``engine_args`` then only seeds later loads' defaults)."""
+        from engine.metrics import EngineMetrics
+
+        self._loader: ModelLoader = model_loader or _default_loader
+        self._base_args = engine_args or EngineArgs()  # server defaults (the command line) for later loads
+        self._args = self._base_args
+        self._switch_lock = threading.Lock()
+        self._worker: _Worker | None = None
+        self._loading: str | None = None
+        self.metrics = EngineMetrics(self)
+        if load:
+            self._worker = self._start(self._args)
+
+    # ---- what is served ---------------------------------------------------------------------------------
+    @property
+    def is_loaded(self) -> bool:
+        return self._worker is not None
+
+    @property
+    def loading_model(self) -> str | None:
+        """The model being loaded right now, or None."""
+        return self._loading
+
+    @property
+    def model_name(self) -> str | None:
+        worker = self._worker
+        return worker.model_name if worker else None
+
+    @property
+    def engine_args(self) -> EngineArgs:
+        """The arguments of the served model (or of the last one, when nothing is loaded)."""
+        return self._args
+
+    @property
+    def tokenizer(self):
+        return self._require_worker().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._require_worker().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._require_worker().vocab_size
+
+    @property
+    def loaded_at(self) -> float | None:
+        """Unix time when the served model started serving."""
+        worker = self._worker
+        return worker.loaded_at if worker else None
+
+    @property
+    def llm_engine(self):
+        """The served LLMEngine, for read-only introspection (its loop thread owns it: do not call step())."""
+        worker = self._worker
+        return worker.engine if worker else None
+
+    def stats(self) -> dict:
+        """The engine's counters as of its last step, plus what is served. Empty counters when unloaded."""
+        worker = self._worker
+        stats = dict(worker.stats()) if worker else {}
+        stats.update(model_name=worker.model_name if worker else None, loading=self._loading,
+                     max_model_len=worker.max_model_len if worker else None)
+        return stats
+
+    def _require_worker(self) -> _Worker:
+        worker = self._worker
+        if worker is None:
+            raise NoModelLoadedError(f"no model loaded (loading {self._loading})" if self._loading else
+                                     NoModelLoadedError().message)
+        return worker
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    async def add_request(self, request_id: str | None = None, prompt: str | None = None,
+                          params: SamplingParams | None = None, *,
+                          prompt_token_ids: list[int] | None = None) -> "RequestStream":
+        """Queue a request and wait until the engine accepted it; iterate the returned stream for outputs.
+
+        Raises EngineError (bad input: 4xx) or NoModelLoadedError / ModelSwitchedError (503) here, before
+        any output, so a server can still answer with a plain error status.
+        """
+        worker = self._require_worker()
+        params = params or SamplingParams()
+        validate_for_vocab(params, worker.vocab_size)
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop())
+        timing = self.metrics.start_request(worker.model_name)
+        worker.submit_add(request_id, prompt, prompt_token_ids, params, stream)
+        try:
+            await stream.added
+        except asyncio.CancelledError:
+            worker.abort(request_id)  # queued after the add: the loop thread drops it right away
+            raise
+        return RequestStream(worker, request_id, stream, timing)
+
+    async def generate(self, prompt: str | None = None, params: SamplingParams | None = None,
+                       request_id: str | None = None, *,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (cumulative text/token ids per sample) until it finishes.
+
+        Raises EngineError (bad input, before the first output), NoModelLoadedError, ModelSwitchedError or
+        EngineStepError (mid-stream). Cancelling or closing the iterator aborts the request at once; use
+        ``contextlib.aclosing`` so that also happens when the consumer stops early.
+        """
+        stream = await self.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids)
+        async with stream:
+            async for output in stream:
+                yield output
+
+    # ---- switching --------------------------------------------------------------------------------------
+    async def switch_model(self, model: str, *, release_first: bool | None = None, **engine_args) -> LoadInfo:
+        """Load ``model`` (catalog id or local folder); ``engine_args`` override the server's defaults.
+
+        Returns once the new model serves. On failure the previous model keeps serving and the error is raised.
+        """
+        return await asyncio.to_thread(self.switch_model_sync, model, release_first=release_first, **engine_args)
+
+    def switch_model_sync(self, model: str, *, release_first: bool | None = None, **engine_args) -> LoadInfo:
+        with self._switch_lock:
+            # Unset arguments come from the server's defaults; the context length is the new model's own.
+            args = replace(self._base_args, model=model, max_model_len=None).with_overrides(**engine_args)
+            old = self._worker
+            if release_first is None:
+                release_first = old is not None and resolve_device(args.device).type == "cuda"
+            self._loading = model
+            try:
+                if release_first and old is not None:
+                    self._retire(old, ModelSwitchedError(f"model {old.model_name} was unloaded to load {model}"))
+                started = time.monotonic()
+                try:
+                    new = self._start(args)
+                except BaseException:
+                    if release_first and old is not None:
+                        self._restore(old.args)
+                    raise
+                self._args = args
+                if old is not None and not release_first:
+                    self._retire(old, ModelSwitchedError(f"model switched to {new.model_name}"))
+                log.info("now serving %s (loaded in %.1f s)", new.model_name, time.monotonic() - started)
+                return LoadInfo(new.model_name, new.max_model_len, time.monotonic() - started,
+                                old.model_name if old else None)
+            finally:
+                self._loading = None
+
+    async def unload(self) -> str | None:
+        """Stop serving: in-flight requests end with an error, memory is freed. Returns the unloaded model."""
+        return await asyncio.to_thread(self.unload_sync)
+
+    def unload_sync(self) -> str | None:
+        with self._switch_lock:
+            old = self._worker
+            if old is None:
+                return None
+            self._retire(old, NoModelLoadedError(f"model {old.model_name} was unloaded"))
+            return old.model_name
+
+    def shutdown(self) -> None:
+        """End the loop thread and free the model (server shutdown). Safe to call twice."""
+        with self._switch_lock:
+            if self._worker is not None:
+                self._retire(self._worker, EngineUnavailableError("the server is shutting down", "shutdown"))
+
+    def _start(self, args: EngineArgs) -> _Worker:
+        engine = self._loader(args)
+        worker = _Worker(engine, args)
+        self._worker = worker
+        return worker
+
+    def _retire(self, worker: _Worker, error: BaseException) -> None:
+        if self._worker is worker:
+            self._worker = None
+        worker.stop(error)
+        worker.thread.join()
+        _free_memory(resolve_device(worker.args.device).type)
+
+    def _restore(self, args: EngineArgs) -> None:
+        """After a failed load in release-first mode: bring the previous model back (best effort)."""
+        try:
+            self._start(args)
+        except Exception:
+            log.exception("could not reload the previous model %s", args.model)
+

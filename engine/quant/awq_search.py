@@ -1,0 +1,133 @@
+"""AWQ: search per-input-channel scales (and clipping ranges) that make 4-bit rounding hurt a block the least.
+
+Scaling input channel ``k`` of a linear layer's weight by ``s_k`` and its input by ``1/s_k`` leaves the layer
+unchanged in full precision, but shrinks the relative rounding error of the weights that meet large
+activations (Lin et al., 2023). The scales are ``mean|x|^alpha`` (optionally divided by the weights' own
+mean relative magnitude to the power ``1 - alpha``, AutoAWQ's "duo scaling"); ``alpha`` is picked on a grid
+by the mean squared error of the *block's* output on calibration activations (the attention for q/k/v,
+the MLP for gate/up), so the search sees what the rounding does after the nonlinearities.
+
+The ``1/s`` is folded into whatever produces the input: an RMSNorm's weight, or the rows of the previous
+linear layer (v_proj -> o_proj when their shapes match, up_proj -> down_proj). Then, for the layers whose
+outputs are not multiplied with each other (everything but q/k), a clipping range per group is searched
+by the output error of that group's partial dot products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from engine.quant.rtn import effective_group, fake_quantize, fit_minmax, quantize_codes
+
+
+@dataclass
+class ScaleGroup:
+    """Linear layers sharing one input, the op that produces that input, and the block part to score them by."""
+
+    prev: nn.Module  # RMSNorm (weight [in]) or nn.Linear (weight [in, *]) whose output feeds ``linears``
+    linears: list[nn.Linear]
+    inspect: Callable[[torch.Tensor], torch.Tensor]  # input [..., in] -> block output compared in the search
+    inputs: torch.Tensor  # [..., in] full-precision calibration inputs of ``linears``
+
+
+@torch.no_grad()
+def search_scales(group: ScaleGroup, group_size: int, n_grid: int = 20, duo_scaling: bool = True) -> torch.Tensor:
+    """The best per-input-channel scales [in] for ``group``; the layers are left as they were."""
+    x = group.inputs
+    x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(dim=0)  # [in]
+    w_mean = _relative_weight_mean(group.linears, group_size)  # [in]
+    reference = group.inspect(x)
+    originals = [fc.weight.data.clone() for fc in group.linears]
+    best_scales, best_loss = torch.ones_like(x_mean), float("inf")
+    for step in range(n_grid):
+        alpha = step / n_grid
+        if duo_scaling:
+            scales = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        else:
+            scales = x_mean.pow(alpha).clamp(min=1e-4)
+        scales = scales / (scales.max() * scales.min()).sqrt()
+        scales[~torch.isfinite(scales)] = 1.0
+        for fc, w in zip(group.linears, originals):
+            fc.weight.data = fake_quantize(w * scales, group_size) / scales
+        loss = (group.inspect(x) - reference).float().pow(2).mean().item()
+        if loss < best_loss:
+            best_loss, best_scales = loss, scales.clone()
+    for fc, w in zip(group.linears, originals):
+        fc.weight.data = w
+    return best_scales
+
+
+def _relative_weight_mean(linears: list[nn.Linear], group_size: int) -> torch.Tensor:
+    """Mean over output rows of |w| / max|w| within each quantization group: [in]."""
+    weight = torch.cat([fc.weight.data for fc in linears], dim=0).float()  # [out_total, in]
+    g = effective_group(group_size, weight.shape[1])
+    grouped = weight.abs().reshape(-1, g)
+    relative = grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)
+    return relative.reshape(weight.shape).mean(dim=0)
+
+
+@torch.no_grad()
+def apply_scales(group: ScaleGroup, scales: torch.Tensor) -> None:
+    """Fold ``1/scales`` into ``prev`` and ``scales`` into the linears; divide the cached inputs too."""
+    prev = group.prev
+    if isinstance(prev, nn.Linear):
+        rows = prev.weight.shape[0]
+        prev.weight.data[rows - scales.numel():] /= scales[:, None]
+        if prev.bias is not None:
+            prev.bias.data[rows - scales.numel():] /= scales
+    else:
+        prev.weight.data /= scales
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.data /= scales
+    for fc in group.linears:
+        fc.weight.data *= scales[None, :]
+    group.inputs = group.inputs / scales
+
+
+@torch.no_grad()
+def search_clip(weight: torch.Tensor, inputs: torch.Tensor, group_size: int, n_grid: int = 20,
+                max_shrink: float = 0.5, num_tokens: int = 512, out_chunk: int = 1024) -> torch.Tensor:
+    """Per (output row, group) clipping threshold minimising the error of that group's partial outputs.
+
+    weight: [out, in]; inputs: [..., in] -> max_val [out, n_groups]. Thresholds shrink the group's max |w|
+    by steps of 1/n_grid down to (1 - max_shrink), as AutoAWQ does.
+    """
+    out_features, in_features = weight.shape
+    g = effective_group(group_size, in_features)
+    x = inputs.reshape(-1, in_features).float()
+    x = x[:: max(1, x.shape[0] // num_tokens)]  # [tokens, in]
+    x = x.reshape(x.shape[0], -1, g).transpose(0, 1)  # [n_groups, tokens, G]
+    results = []
+    for start in range(0, out_features, out_chunk):
+        w = weight[start:start + out_chunk].float()
+        w = w.reshape(w.shape[0], -1, g).transpose(0, 1)  # [n_groups, rows, G]
+        reference = torch.bmm(x, w.transpose(1, 2))  # [n_groups, tokens, rows]
+        org_max = w.abs().amax(dim=-1, keepdim=True)  # [n_groups, rows, 1]
+        best_max = org_max.clone()
+        best_err = torch.full_like(org_max, float("inf"))
+        for step in range(int(max_shrink * n_grid)):
+            max_val = org_max * (1 - step / n_grid)
+            clipped = torch.maximum(torch.minimum(w, max_val), -max_val)
+            scale, zero = fit_minmax(clipped.reshape(-1, g))
+            scale, zero = scale.reshape(*clipped.shape[:2], 1), zero.reshape(*clipped.shape[:2], 1)
+            q = (quantize_codes(clipped, scale, zero) - zero) * scale
+            err = (torch.bmm(x, q.transpose(1, 2)) - reference).pow(2).mean(dim=1)[..., None]  # [n_groups, rows, 1]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, max_val, best_max)
+        results.append(best_max.squeeze(-1).t())  # [rows, n_groups]
+    return torch.cat(results, dim=0)
+
+
+@torch.no_grad()
+def apply_clip(linear: nn.Linear, max_val: torch.Tensor) -> None:
+    """Clamp each (row, group) of ``linear.weight`` to [-max_val, max_val]."""
+    out_features, in_features = linear.weight.shape
+    g = in_features // max_val.shape[1]
+    w = linear.weight.data.reshape(out_features, -1, g)
+    limit = max_val[..., None].to(w.dtype)
+    linear.weight.data = torch.maximum(torch.minimum(w, limit), -limit).reshape(out_features, in_features)

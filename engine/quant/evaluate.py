@@ -1,0 +1,97 @@
+"""Check a quantized checkpoint's quality: dequantize it through Pagoda's loader into transformers, measure perplexity.
+
+This is the yardstick of the quantizer (tests and BENCHMARKS.md): the weights go through exactly the
+loader the engine uses (``get_quant_method`` -> ``load_linear`` -> ``PackedInt4``), are expanded with the
+reference kernel's ``dequantize_int4``, and replace the weights of a plain transformers model, whose
+perplexity on held-out text is then comparable with the fp16 model's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from engine.layers.linear import PackedInt4
+from engine.quant.formats import get_quant_method
+from engine.request import EngineError
+from kernels.reference import dequantize_int4
+
+
+def dense_weight(packed: PackedInt4) -> torch.Tensor:
+    """PackedInt4 -> dense nn.Linear weight [out, in] in the original input order (undoes ``perm``)."""
+    w = dequantize_int4(packed.qweight, packed.scales, packed.zeros, packed.group_size)  # [in, out], rows permuted
+    if packed.perm is not None:
+        unpermuted = torch.empty_like(w)
+        unpermuted[packed.perm] = w
+        w = unpermuted
+    return w.t().contiguous()
+
+
+def dense_state_dict(model_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config without quantization_config, dense state dict) of a checkpoint, via Pagoda's loader."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    method = get_quant_method(model_dir, config)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    state: dict[str, torch.Tensor] = {}
+    packed_prefixes = {n.rsplit(".", 1)[0] for n in tensors if n.endswith(".qweight")}
+    for name, value in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix not in packed_prefixes:
+            state[name] = value.to(dtype) if value.is_floating_point() else value
+    for prefix in sorted(packed_prefixes):
+        if method is None or not method.is_quantized(prefix):
+            raise EngineError(f"tensor '{prefix}.qweight' found but the config does not quantize {prefix}",
+                              param=f"{prefix}.qweight")
+        qweight = tensors[f"{prefix}.qweight"]
+        in_features, out_features = _linear_shape(method.name, qweight)
+        packed = method.load_linear(tensors.get, prefix, in_features, out_features, dtype)
+        state[f"{prefix}.weight"] = dense_weight(packed)
+    config.pop("quantization_config", None)
+    return config, state
+
+
+def _linear_shape(method: str, qweight: torch.Tensor) -> tuple[int, int]:
+    if method == "awq":
+        return qweight.shape[0], qweight.shape[1] * 8
+    return qweight.shape[0] * 8, qweight.shape[1]
+
+
+def load_dense_model(model_dir: Path, dtype: torch.dtype = torch.float32):
+    """A transformers causal LM holding the checkpoint's (dequantized) weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict, state = dense_state_dict(model_dir, dtype)
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [n for n in missing if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise EngineError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def perplexity(model, input_ids: torch.Tensor, window: int = 2048) -> float:
+    """exp(mean next-token negative log-likelihood) over ``input_ids`` [num_tokens], in non-overlapping windows."""
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, input_ids.numel() - 1, window):
+        chunk = input_ids[start:start + window + 1]
+        if chunk.numel() < 2:
+            break
+        logits = model(chunk[None, :-1]).logits[0].float()  # [len, vocab]
+        nll = torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum")
+        total_nll += nll.item()
+        total_tokens += chunk.numel() - 1
+    return math.exp(total_nll / total_tokens)

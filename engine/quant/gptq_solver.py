@@ -1,0 +1,127 @@
+"""GPTQ: quantize one weight matrix column by column, pushing each column's rounding error onto the rest.
+
+The layer's output error for inputs X is ``||(W - Q) X^T||^2``, a quadratic form in the Hessian
+``H = 2 X^T X / N`` (``[in, in]``, accumulated by ``HessianAccumulator`` from calibration inputs). Quantizing
+column ``i`` and then updating the not-yet-quantized columns by ``-err_i * Hinv[i, i:] / Hinv[i, i]`` is the
+optimal (OBS) correction; the upper Cholesky factor of ``H^-1`` gives every row of that update at once.
+Columns are processed in blocks so most of the update is one matmul (Frantar et al., 2022).
+
+Act-order (``desc_act``) processes columns by decreasing ``diag(H)`` (the most activated inputs first,
+while there is the most freedom left to compensate them). Groups are then formed in that order, which
+is what ``g_idx`` records: ``g_idx[c]`` is the group of input column ``c``.
+
+Rows are independent given ``H``, so layers that share an input (q/k/v, gate/up) are solved as one
+stacked matrix: identical results, fewer Python-level column steps, and one shared act-order permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.quant.rtn import effective_group, fit_minmax, quantize_codes
+
+
+class HessianAccumulator:
+    """Running ``H = 2/N * sum x x^T`` over calibration tokens of one linear input."""
+
+    def __init__(self, in_features: int, device: torch.device | str):
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)  # [in, in]
+        self.num_tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        n = x.shape[0]
+        total = self.num_tokens + n
+        self.hessian.mul_(self.num_tokens / total)
+        self.hessian.addmm_(x.t(), x, alpha=2.0 / total)
+        self.num_tokens = total
+
+
+@dataclass
+class GPTQResult:
+    """codes [out, in] float32 (original column order); scales, zeros [n_groups, out]; g_idx [in] int32."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """Dense [out, in] float32 weight."""
+        groups = self.g_idx.long()
+        return (self.codes - self.zeros[groups].t()) * self.scales[groups].t()
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    group_size: int = 128
+    sym: bool = False
+    desc_act: bool = False
+    damp_percent: float = 0.01
+    block_size: int = 128
+    maxq: int = 15
+    min_zero: int = 0  # 1 when writing v1 checkpoints (zero - 1 is stored and must stay >= 0)
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
+    """Quantize ``weight`` [out, in] given the input Hessian [in, in]; neither argument is modified."""
+    w = weight.detach().clone().float()  # [out, in]
+    h = hessian.detach().clone().float()
+    out_features, in_features = w.shape
+    group = effective_group(cfg.group_size, in_features)
+
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    perm = torch.argsort(torch.diag(h), descending=True) if cfg.desc_act else None
+    if perm is not None:
+        w = w[:, perm]
+        h = h[perm][:, perm]
+    hinv = _inverse_cholesky_upper(h, cfg.damp_percent)  # [in, in]
+
+    codes = torch.zeros_like(w)
+    scales: list[torch.Tensor] = []
+    zeros: list[torch.Tensor] = []
+    scale = zero = None
+    for i1 in range(0, in_features, cfg.block_size):
+        i2 = min(i1 + cfg.block_size, in_features)
+        w1 = w[:, i1:i2].clone()  # [out, block]
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group == 0:
+                # Fit the group's grid on the error-compensated weights as they are now (GPTQ does the same).
+                block = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group]
+                scale, zero = fit_minmax(block, cfg.maxq, cfg.sym, include_zero=True, min_zero=cfg.min_zero)
+                scales.append(scale)
+                zeros.append(zero)
+            q = quantize_codes(w1[:, i], scale, zero, cfg.maxq)  # [out]
+            codes[:, col] = q
+            err = (w1[:, i] - (q - zero) * scale) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    g_idx = torch.arange(in_features, device=w.device) // group
+    if perm is not None:
+        invperm = torch.argsort(perm)
+        codes = codes[:, invperm]
+        g_idx = g_idx[invperm]
+    return GPTQResult(codes, torch.stack(scales), torch.stack(zeros), g_idx.to(torch.int32))
+
+
+def _inverse_cholesky_upper(h: torch.Tensor, damp_percent: float) -> torch.Tensor:
+    """Upper Cholesky factor of the dampened ``H^-1``; retries with more dampening if H is not positive definite."""
+    damp = damp_percent * torch.mean(torch.diag(h))
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for attempt in range(6):
+        try:
+            chol = torch.linalg.cholesky(h + (damp * 10 ** attempt) * eye)
+            return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
+        except torch.linalg.LinAlgError:
+            continue
+    raise RuntimeError("GPTQ: the calibration Hessian is not positive definite even with heavy dampening")

@@ -1,0 +1,272 @@
+"""Pydantic models of the OpenAI-compatible API: what requests may contain (with ranges) and what we return.
+
+Field names and defaults follow OpenAI's API reference, plus vLLM's sampling extras (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Unknown fields are ignored (clients such as
+editors send vendor fields like ``tools``); known fields with wrong types or out-of-range values are a 400
+that names the field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+TokenCount = Annotated[int, Field(ge=1, le=1_000_000)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+StopList = Annotated[list[str], Field(max_length=16)]
+MAX_N = 64
+MAX_PROMPTS = 64
+
+
+class APIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(APIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(APIModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id... are kept and ignored
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingRequest(APIModel):
+    """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); omit for the loaded one")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: str | StopList | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Bias] | None = Field(None, max_length=1024)
+    user: str | None = None
+    # vLLM extras
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None  # accepted and ignored: Pagoda does not do tool calling yet
+    tool_choice: Any = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: TokenCount | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+
+class TokenizeRequest(APIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(APIModel):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]
+
+
+class LoadModelRequest(BaseModel):
+    """POST /v1/models/load: a catalog id or an existing local model folder, plus engine arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Annotated[str, Field(min_length=1, max_length=4096)]
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    max_model_len: Annotated[int, Field(ge=16, le=10_000_000)] | None = None
+    max_num_seqs: Annotated[int, Field(ge=1, le=4096)] | None = None
+    max_num_batched_tokens: Annotated[int, Field(ge=16, le=1_000_000)] | None = None
+    block_size: Literal[8, 16, 32] | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    gpu_memory_limit: Annotated[str, Field(pattern=r"^\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]{0,3}\s*$")] | None = None
+    kv_cache_memory: Annotated[str, Field(pattern=r"^\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]{0,3}\s*$")] | None = None
+    enforce_eager: bool | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+
+    def engine_overrides(self) -> dict:
+        return {k: v for k, v in self.model_dump(exclude={"model"}).items() if v is not None}
+
+
+# ---- responses --------------------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    tool_calls: list = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: DeltaMessage) -> dict:
+        return delta.model_dump(exclude_none=True)  # OpenAI sends {"content": "..."}, not {"role": null, ...}
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagoda"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
