@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 PORT ?= 7860
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: run test setup clean-venv
+.PHONY: run test setup browser clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,14 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(PY) app.py serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# The UI tests drive Debian's Chromium (no browser download): install it when missing and we are root.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: install chromium (e.g. sudo apt-get install chromium) to run the browser tests"; fi; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 clean-venv:

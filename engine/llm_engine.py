@@ -232,6 +232,12 @@ class LLMEngine:
                      block_size=self.runner.layout.block_size, max_model_len=self.max_model_len)
         return stats
 
+    def memory_report(self):
+        """Where the device memory goes (engine/memory.py); the dashboard and /metrics read it."""
+        from engine.memory import memory_report
+
+        return memory_report(self)
+
     def release(self) -> None:
         """Abort everything and free the model's device memory (model switching, shutdown)."""
         for request_id in list(self.groups):

@@ -1,0 +1,69 @@
+"""Where device memory goes: weights, KV (allocated and in use), activations, graphs, other processes, free."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes. On CPU ``device_*`` describe system RAM and ``process_rss`` is this process's resident memory."""
+
+    device: str
+    device_name: str
+    device_total: int
+    device_used: int
+    device_free: int
+    weights: int
+    kv_allocated: int
+    kv_in_use: int
+    activation_reserve: int
+    cuda_graph_pool: int
+    other_processes: int
+    process_rss: int
+
+    @property
+    def kv_free(self) -> int:
+        return self.kv_allocated - self.kv_in_use
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["kv_free"] = self.kv_free
+        return data
+
+
+def process_rss() -> int:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def memory_report(engine) -> MemoryReport:
+    """Build the report for one LLMEngine (``engine.runner`` holds the sizes measured at load)."""
+    runner = engine.runner
+    layout = runner.layout
+    kv_allocated = layout.num_blocks * layout.bytes_per_block
+    kv_in_use = engine.kv_manager.block_pool.num_used_blocks * layout.bytes_per_block
+    rss = process_rss()
+    graph_pool = getattr(runner, "cuda_graph_pool_bytes", 0)
+    activation = runner.memory_profile.activation_peak
+    if runner.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(runner.device)
+        used = total - free
+        ours = torch.cuda.memory_reserved(runner.device)
+        other = max(used - ours, 0)
+        name = torch.cuda.get_device_name(runner.device)
+    else:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        total, free, used = vm.total, vm.available, vm.total - vm.available
+        other = max(used - rss, 0)
+        name = "CPU (system memory)"
+    return MemoryReport(device=str(runner.device), device_name=name, device_total=total, device_used=used,
+                        device_free=free, weights=runner.weight_bytes, kv_allocated=kv_allocated,
+                        kv_in_use=kv_in_use, activation_reserve=activation, cuda_graph_pool=graph_pool,
+                        other_processes=other, process_rss=rss)
