@@ -24,18 +24,21 @@ one fails.
 from __future__ import annotations
 
 import asyncio
+import copy
+import ctypes
 import gc
-import itertools
 import logging
+import sys
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from engine.config import EngineArgs, resolve_device
-from engine.request import Logprob, RequestOutput, SamplingParams
+from engine.request import EngineError, Logprob, RequestOutput, SamplingParams
 from engine.sampler import validate_for_vocab
 
 log = logging.getLogger("pagoda.async_engine")
@@ -155,8 +158,6 @@ class _Stream:
 class _Worker:
     """Owns one LLMEngine and the thread that steps it. Only that thread calls the engine after construction."""
 
-    _ids = itertools.count()
-
     def __init__(self, engine, args: EngineArgs):
         self.engine = engine
         self.args = args
@@ -171,7 +172,7 @@ class _Worker:
         self._closed_error: BaseException | None = None  # set once stop is requested
         self._stats: dict = dict(engine.stats())
         self.loaded_at = time.time()
-        self.thread = threading.Thread(target=self._run, name=f"pagoda-engine-{next(self._ids)}-{self.model_name}",
+        self.thread = threading.Thread(target=self._run, name=f"pagoda-engine-{self.model_name}-{id(self):x}",
                                        daemon=True)
         self.thread.start()
 
@@ -200,12 +201,21 @@ class _Worker:
     def _push(self, command: tuple) -> None:
         with self._cond:
             if self._closed_error is not None:
-                raise self._closed_error
+                raise copy.copy(self._closed_error)  # one instance per raise: tracebacks must not pile up
             self._commands.append(command)
             self._cond.notify()
 
     # ---- the loop thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # never leave callers waiting on a dead thread
+            log.exception("the engine loop of %s crashed", self.model_name)
+            with self._cond:
+                self._closed_error = self._closed_error or EngineStepError(f"the engine loop crashed: {exc!r}")
+            self._fail_all()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._commands and not self.engine.has_unfinished_requests():
@@ -214,9 +224,9 @@ class _Worker:
                 self._commands.clear()
             if self._apply(commands):
                 return
-            if self.engine.has_unfinished_requests():
-                self._step()
-            self._stats = dict(self.engine.stats())
+            outputs = self._step() if self.engine.has_unfinished_requests() else []
+            self._stats = dict(self.engine.stats())  # before delivery: a finished stream sees its own effect
+            self._deliver(outputs)
 
     def _apply(self, commands: list[tuple]) -> bool:
         """Run queued commands in order; True when the worker must stop."""
@@ -234,7 +244,7 @@ class _Worker:
     def _add(self, request_id: str, prompt, prompt_token_ids, params, stream: _Stream) -> None:
         try:
             self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params)
-        except Exception as exc:  # EngineError for bad input; anything else is reported to the caller too
+        except Exception as exc:  # noqa: BLE001 -- EngineError for bad input; anything else goes to the caller too
             stream.post(stream._set_added, exc)
             return
         self._streams[request_id] = stream
@@ -245,16 +255,18 @@ class _Worker:
         self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)
 
-    def _step(self) -> None:
+    def _step(self) -> list[RequestOutput]:
         try:
-            outputs = self.engine.step()
+            return self.engine.step()
         except Exception as exc:  # a bug or a device failure: fail the requests, keep the loop alive
             log.exception("engine step failed; aborting %d request(s)", len(self._streams))
             error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
             for request_id, stream in list(self._streams.items()):
-                stream.post(stream._fail, error)
+                stream.post(stream._fail, copy.copy(error))
                 self._abort(request_id)
-            return
+            return []
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -265,22 +277,29 @@ class _Worker:
                 self._abort(output.request_id)
 
     def _shutdown(self) -> None:
-        with self._cond:
-            leftovers = list(self._commands)
-            self._commands.clear()
-        error = self._closed_error
-        for command in leftovers:  # adds that raced with the stop
-            if command[0] == "add":
-                command[-1].post(command[-1]._fail, error)
-        for request_id, stream in list(self._streams.items()):
-            stream.post(stream._fail, error)
-            self._abort(request_id)
+        self._fail_all()
         try:
             self.engine.release()
         except Exception:
             log.exception("releasing %s failed", self.model_name)
         self._stats = {}
         self.engine = None  # drop the last reference from this thread
+
+    def _fail_all(self) -> None:
+        """End queued adds and in-flight requests with the closing error (each stream its own copy)."""
+        with self._cond:
+            leftovers = list(self._commands)
+            self._commands.clear()
+        error = self._closed_error
+        for command in leftovers:  # adds that raced with the stop
+            if command[0] == "add":
+                command[-1].post(command[-1]._fail, copy.copy(error))
+        for request_id, stream in list(self._streams.items()):
+            stream.post(stream._fail, copy.copy(error))
+            try:
+                self._abort(request_id)
+            except Exception:  # noqa: BLE001 -- the engine may be what failed; the streams are told already
+                self._streams.pop(request_id, None)
 
 
 class RequestStream:
@@ -293,7 +312,7 @@ class RequestStream:
         self._worker, self._stream, self._timing = worker, stream, timing
         self._done = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -321,7 +340,7 @@ class RequestStream:
     async def aclose(self) -> None:
         self.abort()
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self):  # -> Self
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -332,13 +351,34 @@ class RequestStream:
             self._worker.abort(self.request_id)
 
 
+def check_model_folder(model: str) -> None:
+    """Cheap checks of a model reference before anything is unloaded: a catalog id, or a folder whose
+    config.json names a supported architecture. Raises EngineError."""
+    from engine.catalog import Catalog
+    from engine.config import ModelConfig
+
+    if Catalog.load().get(model) is not None:
+        return
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise EngineError(f"unknown model {model!r}: not a catalog id nor a local folder", param="model")
+    ModelConfig.from_path(path)
+
+
 def _free_memory(device_type: str) -> None:
-    """Give freed tensors back: cycles first (the model graph has some), then the CUDA caching allocator."""
+    """Give freed tensors back: cycles first (the model graph has some), then the CUDA caching allocator, then
+    glibc's heap: weights freed by a loop thread stay in its malloc arena (hundreds of MB of RSS per switch)
+    until ``malloc_trim`` returns them to the OS."""
     gc.collect()
     if device_type == "cuda":
         import torch
 
         torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
 
 
 def _default_loader(args: EngineArgs):
@@ -436,14 +476,17 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------
     async def add_request(self, request_id: str | None = None, prompt: str | None = None,
-                          params: SamplingParams | None = None, *,
-                          prompt_token_ids: list[int] | None = None) -> "RequestStream":
+                          params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,
+                          model: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it; iterate the returned stream for outputs.
 
+        ``model``: the model the caller tokenized for; if another one serves by now, ModelSwitchedError.
         Raises EngineError (bad input: 4xx) or NoModelLoadedError / ModelSwitchedError (503) here, before
         any output, so a server can still answer with a plain error status.
         """
         worker = self._require_worker()
+        if model is not None and model != worker.model_name:
+            raise ModelSwitchedError(f"model switched to {worker.model_name}")
         params = params or SamplingParams()
         validate_for_vocab(params, worker.vocab_size)
         request_id = request_id or uuid.uuid4().hex
@@ -486,6 +529,8 @@ class AsyncEngine:
             old = self._worker
             if release_first is None:
                 release_first = old is not None and resolve_device(args.device).type == "cuda"
+            if release_first and old is not None:
+                check_model_folder(model)  # fail fast on an obvious mistake before dropping the served model
             self._loading = model
             try:
                 if release_first and old is not None:

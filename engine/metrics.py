@@ -91,8 +91,10 @@ class _EngineStatsCollector(Collector):
             return
         try:
             report = report_fn()
-            items = report.items() if isinstance(report, dict) else vars(report).items()
-        except Exception:  # a scrape must never fail because one optional source did
+            data = report if isinstance(report, dict) else (report.as_dict() if hasattr(report, "as_dict")
+                                                            else vars(report))
+            items = data.items()
+        except Exception:  # noqa: BLE001 -- a scrape must never fail because one optional source did
             return
         gauge = GaugeMetricFamily("pagoda:memory_bytes", "Where memory goes (engine.memory_report()).",
                                   labels=["model_name", "kind"])
@@ -105,7 +107,7 @@ class _EngineStatsCollector(Collector):
 class RequestTiming:
     """Observes one request's time to first token, inter-token latencies and end-to-end latency."""
 
-    def __init__(self, metrics: "EngineMetrics", model_name: str):
+    def __init__(self, metrics: EngineMetrics, model_name: str):
         self.metrics = metrics
         self.model_name = model_name
         self.arrival = time.monotonic()

@@ -128,8 +128,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     def build_batch(self, scheduled) -> tuple[ForwardBatch, list[Request]]:
         """From the scheduler's (request, num_new_tokens, block_table) list to device tensors.

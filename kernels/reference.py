@@ -70,20 +70,31 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 
     Slots < 0 are padding and are skipped.
     """
-    block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
+    # index_copy_ on the flat [num_slots, H, D] view: advanced-index assignment is ~1000x slower on CPU
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one request. cache: [num_blocks, block_size, H, D] -> [length, H, D]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, H, D]
+    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [num_blocks, block_size, H, D]
     return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked attention in float32. q: [B, kv_heads, Lq, D] (query heads of a group stacked in Lq, or
+    [B, heads, Lq, D] with k/v [B, kv_heads, Lk, D] and GQA); mask: True where a key is visible."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                            scale=scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -94,32 +105,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     query_start_loc: [num_seqs + 1] int32; context_lens: [num_seqs] int32 (cached prefix + new tokens).
     Returns [num_tokens, num_heads, head_dim] in q's dtype; softmax in float32.
     """
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
-    if len(decode_rows) > 1:  # one vectorised pass for all single-token rows (the CPU path's common case)
+    batch_decodes = len(decode_rows) > 1
+    if batch_decodes:  # one vectorised pass for all single-token rows (the CPU path's common case)
         rows = torch.tensor(decode_rows, device=q.device)
         token_rows = query_start_loc[:-1].long()[rows]
-        out[token_rows] = paged_decode_attention(q[token_rows], k_cache, v_cache, block_tables[rows],
-                                                 context_lens[rows], scale)
+        decoded = paged_decode_attention(q.index_select(0, token_rows), k_cache, v_cache, block_tables[rows],
+                                         context_lens[rows], scale)
+        out.index_copy_(0, token_rows, decoded)  # (index assignment is very slow on CPU)
     for i, ctx in enumerate(lens):
-        q_i = q[starts[i]:starts[i + 1]].float()  # [q_len, H, D]
-        q_len = q_i.shape[0]
-        if q_len == 0 or (q_len == 1 and len(decode_rows) > 1):
+        q_len = q_lens[i]
+        if q_len == 0 or (q_len == 1 and batch_decodes):
             continue
-        k = gather_kv(k_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)  # [ctx, H, D]
-        v = gather_kv(v_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q_i, k) * scale  # [H, q_len, ctx]
-        q_pos = torch.arange(ctx - q_len, ctx, device=scores.device)[:, None]
-        k_pos = torch.arange(ctx, device=scores.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        q_i = q[starts[i]:starts[i + 1]].transpose(0, 1)[None]  # [1, num_heads, q_len, D]
+        k = gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
+        v = gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)[None]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        attn = _sdpa(q_i, k, v, k_pos <= q_pos, scale)  # [1, num_heads, q_len, D]
+        out[starts[i]:starts[i + 1]] = attn[0].transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -128,7 +136,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One query token per sequence. q: [num_seqs, num_heads, head_dim] -> same shape.
 
     Vectorised over the batch (this is the CPU decode path): gather every sequence's blocks into a padded
-    [num_seqs, max_ctx, kv_heads, head_dim] view and mask positions past each context length.
+    [num_seqs, max_ctx, kv_heads, head_dim] view and mask positions past each context length. The query
+    heads of one KV head's group attend as ``group`` query rows of that KV head.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -136,15 +145,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_ctx = int(context_lens.max())
     num_blocks = (max_ctx + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]
-    k = k_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).float()
-    v = v_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).float()
-    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale  # [num_seqs, kv_heads, group, max_ctx_padded]
-    positions = torch.arange(num_blocks * block_size, device=q.device)
-    pad = positions[None, :] >= context_lens.to(q.device)[:, None].long()  # [num_seqs, max_ctx_padded]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # [num_seqs, kv_heads, group, head_dim]
+    padded = num_blocks * block_size
+    flat = table.reshape(-1)
+    k = k_cache.index_select(0, flat).reshape(num_seqs, padded, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).reshape(num_seqs, padded, num_kv_heads, head_dim).transpose(1, 2)
+    # k, v: [B, kv_heads, T, D]
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, kv_heads, group, D]
+    positions = torch.arange(padded, device=q.device)
+    visible = positions[None, :] < context_lens.to(q.device)[:, None].long()  # [B, T]
+    out = _sdpa(qg, k, v, visible[:, None, None, :], scale)  # [B, kv_heads, group, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 

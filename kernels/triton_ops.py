@@ -5,11 +5,13 @@ Shapes:
   rms_norm            x, residual [T, hidden]; weight [hidden] -> (out [T, hidden], new_residual [T, hidden])
   silu_and_mul        x [T, 2 * inter] -> [T, inter]
   rotary_embedding    positions [T]; q [T, H, D]; k [T, KH, D]; cos_sin_cache [max_pos, D] fp32 -> (q, k)
-  reshape_and_cache   key, value [T, KH, D] -> k_cache, v_cache [num_blocks, block_size, KH, D] at slot_mapping [T]
+  reshape_and_cache   key, value [T, KH, D] -> k_cache, v_cache [num_blocks, block_size, KH, D]
+                      at slot_mapping [T]
   paged_attention     q [T, H, D]; block_tables [S, max_blocks]; query_start_loc [S + 1]; context_lens [S]
                       -> [T, H, D]  (ragged causal chunks over cached prefix + themselves)
   paged_decode_attention  q [S, H, D]; block_tables [S, max_blocks]; context_lens [S] -> [S, H, D]
-  w4a16_matmul        x [M, K]; qweight [K // 8, N] int32; scales, zeros [K // G, N]; perm [K] | None -> [M, N]
+  w4a16_matmul        x [M, K]; qweight [K // 8, N] int32; scales, zeros [K // G, N]; perm [K] | None
+                      -> [M, N]
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 from kernels.triton import activation, cache, decode_attention, norm, prefill_attention, rotary, w4a16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     return norm.rms_norm(x, weight, eps, residual)
 
 
@@ -28,27 +31,53 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return activation.silu_and_mul(x)
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    return prefill_attention.prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                               scale)
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return prefill_attention.prefill_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    )
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     return decode_attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+) -> torch.Tensor:
     return w4a16.w4a16_matmul(x, qweight, scales, zeros, group_size, perm)

@@ -1,10 +1,11 @@
-"""Kernel-vs-reference checks shared by the CPU interpreter run and the GPU tests (fresh random inputs each call).
+"""Kernel-vs-reference checks shared by the CPU interpreter run and the GPU tests (fresh random inputs).
 
 Not collected by pytest on its own (no ``test_`` prefix): ``tests/test_kernels.py`` runs this file in a
-subprocess with ``TRITON_INTERPRET=1`` set before Triton is imported (small shapes, fp16/fp32), and imports the
-``check_*`` functions for its GPU tests (7B shapes, fp16/bf16). Each check draws new random data, poisons the
-memory the kernel's outputs will be allocated from (NaN bytes) so unwritten elements show up, and compares
-with kernels/reference.py. Tolerances (max abs error, or relative Frobenius error for matmuls) are in ``TOL``.
+subprocess with ``TRITON_INTERPRET=1`` set before Triton is imported (small shapes, fp16/fp32), and
+imports the ``check_*`` functions for its GPU tests (7B shapes, fp16/bf16). Each check draws new random
+data, poisons the memory the kernel's outputs will be allocated from (NaN bytes) so unwritten elements
+show up, and compares with kernels/reference.py. Tolerances (max abs error, or relative Frobenius error
+for matmuls) are in ``TOL``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 from kernels import reference as ref
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="needs TRITON_INTERPRET=1 or a CUDA GPU"
+)
 
 # atol for elementwise kernels (one rounding of the output dtype apart at |x| ~ 4, since the
 # reference rounds at the same points), attention (fp32 softmax; P rounded to fp16/bf16 for the PV product),
@@ -32,6 +34,7 @@ TOL = {
 
 def _ops():
     from kernels import triton_ops
+
     return triton_ops
 
 
@@ -75,12 +78,13 @@ def check_silu_and_mul(device: str, dtype: torch.dtype, tokens: int, inter: int)
     assert_close(_ops().silu_and_mul(x), ref.silu_and_mul(x), TOL[dtype]["elementwise"], "silu_and_mul")
 
 
-def check_rotary(device: str, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int,
-                 max_pos: int) -> None:
+def check_rotary(
+    device: str, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, max_pos: int
+) -> None:
     # q and k are non-contiguous views of one fused qkv projection output, as the model produces them
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, max_pos, (tokens,), device=device)
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     freqs = torch.outer(torch.arange(max_pos, device=device).float(), inv)
@@ -93,8 +97,15 @@ def check_rotary(device: str, dtype: torch.dtype, tokens: int, heads: int, kv_he
     assert_close(k_out, k_exp, tol, "rotary k")
 
 
-def check_reshape_and_cache(device: str, dtype: torch.dtype, tokens: int, kv_heads: int, head_dim: int,
-                            block_size: int, num_blocks: int) -> None:
+def check_reshape_and_cache(
+    device: str,
+    dtype: torch.dtype,
+    tokens: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+) -> None:
     key = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
     value = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
     slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
@@ -108,8 +119,9 @@ def check_reshape_and_cache(device: str, dtype: torch.dtype, tokens: int, kv_hea
     assert torch.equal(v_cache, v_exp), "reshape_and_cache: V cache differs"
 
 
-def random_paged_kv(device: str, dtype: torch.dtype, context_lens: list[int], kv_heads: int, head_dim: int,
-                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_paged_kv(
+    device: str, dtype: torch.dtype, context_lens: list[int], kv_heads: int, head_dim: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Caches with 25% spare blocks and per-sequence block tables of random, non-contiguous block ids.
     Table entries past a sequence's end hold random ids too (the kernels must not use them)."""
     blocks_per_seq = [(c + block_size - 1) // block_size for c in context_lens]
@@ -121,18 +133,27 @@ def random_paged_kv(device: str, dtype: torch.dtype, context_lens: list[int], kv
     table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), device=device, dtype=torch.int32)
     used = 0
     for i, n in enumerate(blocks_per_seq):
-        table[i, :n] = order[used:used + n].to(torch.int32)
+        table[i, :n] = order[used : used + n].to(torch.int32)
         used += n
     return k_cache, v_cache, table
 
 
-def check_decode_attention(device: str, dtype: torch.dtype, context_lens: list[int], heads: int, kv_heads: int,
-                           head_dim: int, block_size: int, partition_size: int | None = None) -> None:
+def check_decode_attention(
+    device: str,
+    dtype: torch.dtype,
+    context_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    partition_size: int | None = None,
+) -> None:
     from kernels.triton.decode_attention import decode_attention
+
     k_cache, v_cache, table = random_paged_kv(device, dtype, context_lens, kv_heads, head_dim, block_size)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     q = torch.randn(len(context_lens), heads, head_dim, dtype=dtype, device=device)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     poison(device, q.numel() * q.element_size())
     if partition_size is None:
         out = _ops().paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
@@ -142,8 +163,15 @@ def check_decode_attention(device: str, dtype: torch.dtype, context_lens: list[i
     assert_close(out, exp, TOL[dtype]["attention"], f"decode attention (partition {partition_size})")
 
 
-def check_prefill_attention(device: str, dtype: torch.dtype, chunks: list[tuple[int, int]], heads: int,
-                            kv_heads: int, head_dim: int, block_size: int) -> None:
+def check_prefill_attention(
+    device: str,
+    dtype: torch.dtype,
+    chunks: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
     """chunks: (cached prefix length, new query tokens) per sequence."""
     context_lens = [p + n for p, n in chunks]
     k_cache, v_cache, table = random_paged_kv(device, dtype, context_lens, kv_heads, head_dim, block_size)
@@ -153,7 +181,7 @@ def check_prefill_attention(device: str, dtype: torch.dtype, chunks: list[tuple[
     qsl = torch.tensor(starts, dtype=torch.int32, device=device)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     q = torch.randn(starts[-1], heads, head_dim, dtype=dtype, device=device)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     poison(device, q.numel() * q.element_size())
     out = _ops().paged_attention(q, k_cache, v_cache, table, qsl, lens, scale)
     exp = ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, scale)
@@ -165,20 +193,25 @@ def random_int4(device: str, dtype: torch.dtype, k: int, n: int, group_size: int
     codes = torch.randint(0, 16, (k, n), device=device)
     qweight = ref.pack_int4(codes)
     groups = k // group_size
-    scales = (torch.rand(groups, n, device=device) * 0.5 + 0.5) * (2.0 / (k ** 0.5 * 4.6))
+    scales = (torch.rand(groups, n, device=device) * 0.5 + 0.5) * (2.0 / (k**0.5 * 4.6))
     zeros = torch.randint(5, 11, (groups, n), device=device).float()
     return qweight, scales.to(dtype), zeros.to(dtype)
 
 
-def check_w4a16(device: str, dtype: torch.dtype, m: int, k: int, n: int, group_size: int, act_order: bool) -> None:
+def check_w4a16(
+    device: str, dtype: torch.dtype, m: int, k: int, n: int, group_size: int, act_order: bool
+) -> None:
     qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
     x = torch.randn(m, k, dtype=dtype, device=device)
     perm = torch.randperm(k, device=device) if act_order else None
     poison(device, m * n * x.element_size())
     out = _ops().w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
-    exp = ref.w4a16_matmul(x.double() if device == "cpu" else x.float(), qweight, scales, zeros, group_size,
-                           perm).to(dtype)
-    assert_rel(out, exp, TOL[dtype]["matmul"], f"w4a16 M={m} K={k} N={n} G={group_size} act_order={act_order}")
+    exp = ref.w4a16_matmul(
+        x.double() if device == "cpu" else x.float(), qweight, scales, zeros, group_size, perm
+    ).to(dtype)
+    assert_rel(
+        out, exp, TOL[dtype]["matmul"], f"w4a16 M={m} K={k} N={n} G={group_size} act_order={act_order}"
+    )
 
 
 # ---- small cases for the CPU interpreter (run by tests/test_kernels.py with TRITON_INTERPRET=1) ----
@@ -204,8 +237,9 @@ def test_rotary(dtype):
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reshape_and_cache(block_size):
-    check_reshape_and_cache("cpu", torch.float16, tokens=9, kv_heads=2, head_dim=32, block_size=block_size,
-                            num_blocks=6)
+    check_reshape_and_cache(
+        "cpu", torch.float16, tokens=9, kv_heads=2, head_dim=32, block_size=block_size, num_blocks=6
+    )
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -222,9 +256,20 @@ def test_prefill_attention(dtype, block_size):
     check_prefill_attention("cpu", dtype, [(0, 21), (35, 18), (40, 1), (5, 0)], 4, 2, 32, block_size)
 
 
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("group_size,act_order", [(32, False), (64, True), (256, False)])
+@pytest.mark.parametrize(
+    "dtype,m,group_size,act_order",
+    [
+        (torch.float16, 1, 32, False),
+        (torch.float16, 1, 64, True),
+        (torch.float16, 5, 256, False),
+        (torch.float16, 5, 64, True),
+        (torch.float16, 40, 32, False),
+        (torch.float16, 40, 256, True),
+        (torch.float32, 1, 256, False),
+        (torch.float32, 5, 32, True),
+        (torch.float32, 40, 64, False),
+    ],
+)
 def test_w4a16(dtype, m, group_size, act_order):
     check_w4a16("cpu", dtype, m, 256, 48, group_size, act_order)
 
@@ -232,20 +277,33 @@ def test_w4a16(dtype, m, group_size, act_order):
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_dequantize(group_size):
     from kernels.triton.w4a16 import dequantize
+
     qweight, scales, zeros = random_int4("cpu", torch.float16, 256, 80, group_size)
-    assert_close(dequantize(qweight, scales, zeros, group_size),
-                 ref.dequantize_int4(qweight, scales, zeros, group_size), 0.0, "dequantize")
+    assert_close(
+        dequantize(qweight, scales, zeros, group_size),
+        ref.dequantize_int4(qweight, scales, zeros, group_size),
+        0.0,
+        "dequantize",
+    )
 
 
 @pytest.mark.parametrize("kernel,scale_after", [("m1", False), ("m1", True), ("dot", False), ("dot", True)])
 def test_w4a16_gemv_variants(kernel, scale_after):
     """Both GEMV kernels with the scale applied per weight or once per group after the K-step sum."""
     from kernels.triton.w4a16 import w4a16_matmul
+
     m = 1 if kernel == "m1" else 3
     qweight, scales, zeros = random_int4("cpu", torch.float16, 256, 48, 64)
     x = torch.randn(m, 256, dtype=torch.float16)
-    cfg = {"kernel": kernel, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1, "split": 2,
-           "SCALE_AFTER": scale_after}
+    cfg = {
+        "kernel": kernel,
+        "BLOCK_N": 16,
+        "BLOCK_K": 64,
+        "num_warps": 1,
+        "num_stages": 1,
+        "split": 2,
+        "SCALE_AFTER": scale_after,
+    }
     out = w4a16_matmul(x, qweight, scales, zeros, 64, path="gemv", config=cfg)
     exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 64).to(torch.float16)
     assert_rel(out, exp, TOL[torch.float16]["matmul"], f"gemv {kernel} scale_after={scale_after}")

@@ -32,20 +32,39 @@ def _cases():
 
 def test_triton_ops_have_the_reference_signatures():
     from kernels import reference, triton_ops
-    for name in ["rms_norm", "silu_and_mul", "rotary_embedding", "reshape_and_cache", "paged_attention",
-                 "paged_decode_attention", "w4a16_matmul"]:
-        assert inspect.signature(getattr(triton_ops, name)) == inspect.signature(getattr(reference, name)), name
+
+    for name in [
+        "rms_norm",
+        "silu_and_mul",
+        "rotary_embedding",
+        "reshape_and_cache",
+        "paged_attention",
+        "paged_decode_attention",
+        "w4a16_matmul",
+    ]:
+        assert inspect.signature(getattr(triton_ops, name)) == inspect.signature(getattr(reference, name)), (
+            name
+        )
 
 
 def test_triton_kernels_match_reference_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
 
-# ---------------- GPU: Llama-2-7B / Llama-3-8B shapes (hidden 4096, inter 11008, 32 heads of 128, GQA 32/8) -----
+# ---- GPU: Llama-2-7B / Llama-3-8B shapes (hidden 4096, inter 11008, 32 heads of 128, GQA 32/8) ----
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -78,8 +97,15 @@ def test_gpu_rotary(dtype, kv_heads):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_gpu_reshape_and_cache(dtype, block_size):
-    _cases().check_reshape_and_cache("cuda", dtype, tokens=777, kv_heads=8, head_dim=128, block_size=block_size,
-                                     num_blocks=4096 // block_size * 16)
+    _cases().check_reshape_and_cache(
+        "cuda",
+        dtype,
+        tokens=777,
+        kv_heads=8,
+        head_dim=128,
+        block_size=block_size,
+        num_blocks=4096 // block_size * 16,
+    )
 
 
 @pytest.mark.gpu
@@ -109,7 +135,7 @@ def test_gpu_decode_attention_long_context_split_kv(dtype, kv_heads):
 @pytest.mark.parametrize("kv_heads", [32, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_gpu_prefill_attention_ragged_chunks(dtype, kv_heads, block_size):
-    # fresh prompts, chunked prefill after a cached prefix (prefix-cache hit), single-token rows, an empty chunk
+    # fresh prompts, chunked prefill after a cached prefix (prefix-cache hit), single tokens, an empty chunk
     chunks = [(0, 1000), (512, 300), (37, 1), (4000, 17), (0, 1), (2048, 2048), (100, 0), (3, 129)]
     _cases().check_prefill_attention("cuda", dtype, chunks, 32, kv_heads, 128, block_size)
 

@@ -32,13 +32,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def launch_server(model_dir: Path, *flags: str, startup_timeout: float = 240.0) -> Iterator[str]:
+def launch_server(model_dir: Path, *flags: str, ui: bool = True, startup_timeout: float = 240.0) -> Iterator[str]:
     """``python app.py serve --model <dir> --port <free> --dtype float32 <flags>``; yields the base URL once
-    /health answers; stops the process afterwards. Shared by the server test modules."""
+    /health answers; stops the process afterwards. ``ui=False`` serves the API alone (``PAGODA_UI=0``: faster
+    start). Shared by the server test modules."""
     port = _free_port()
     cmd = [sys.executable, str(ROOT / "app.py"), "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--log-level", "warning", *flags]
     env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
+    env["PAGODA_UI"] = "1" if ui else "0"
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
@@ -117,7 +119,7 @@ def test_chat_completion_greedy_usage_and_logprobs(client, model_id, hf_tokenize
 
 
 def test_chat_streaming_matches_non_streaming_and_reports_usage(client, model_id):
-    kwargs = dict(model=model_id, messages=CHAT, max_tokens=10, temperature=0)
+    kwargs = {"model": model_id, "messages": CHAT, "max_tokens": 10, "temperature": 0}
     whole = client.chat.completions.create(**kwargs)
     stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
     chunks = list(stream)
@@ -127,7 +129,8 @@ def test_chat_streaming_matches_non_streaming_and_reports_usage(client, model_id
     assert text == whole.choices[0].message.content
     assert finishes == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(chunks[-1].usage, field) == getattr(whole.usage, field)
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -243,6 +246,16 @@ def test_tokenize_detokenize_round_trip(server, hf_tokenizer):
     chat = httpx.post(f"{server}/tokenize", json={"messages": CHAT}, headers=headers).json()
     assert chat["tokens"] == hf_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
                                                               return_dict=True)["input_ids"]
+
+
+def test_ui_is_mounted_next_to_the_api(server):
+    """The API shares its app with the browser UI (when the ui package provides mount)."""
+    import ui
+
+    if not hasattr(ui, "mount"):
+        pytest.skip("the UI package has no mount() yet")
+    r = httpx.get(f"{server}/", timeout=30)
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
 
 
 def test_health_version_and_metrics(server, model_id):

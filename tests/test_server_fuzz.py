@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -69,7 +70,8 @@ def mutated_body(draw) -> tuple[str, bytes, str]:
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    with launch_server(default_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "32MiB") as url:
+    with launch_server(default_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "32MiB",
+                       ui=False) as url:
         yield url
 
 
@@ -89,14 +91,25 @@ def assert_well_formed(response: httpx.Response, request: object) -> None:
         assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
 
 
+@pytest.fixture(scope="module")
+def statuses() -> Counter:
+    return Counter()
+
+
 @settings(max_examples=300, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(case=mutated_body())
-def test_fuzzed_requests_never_5xx(http, case):
+def test_fuzzed_requests_never_5xx(http, statuses, case):
     path, body, content_type = case
     headers = {"content-type": content_type} if content_type else {}
     response = http.post(path, content=body, headers=headers)
+    statuses[response.status_code] += 1
     assert_well_formed(response, case)
+
+
+def test_the_fuzz_reached_both_the_validators_and_the_engine(statuses):
+    assert sum(statuses.values()) >= 300
+    assert statuses[200] >= 20 and statuses[400] >= 100, statuses  # valid mutations ran through the engine too
 
 
 HANDWRITTEN = [
@@ -113,8 +126,8 @@ HANDWRITTEN = [
     ("/v1/completions", b'{"prompt": [99999999], "max_tokens": 1}', "application/json"),
     ("/v1/completions", b'{"prompt": [[]], "max_tokens": 1}', "application/json"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 1, "stop_token_ids": [99999999]}', "application/json"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "content": "x"}, {"role": "tool"}],'
-     b' "max_tokens": 1}', "application/json"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "assistant", "content": "x"}, {"role": "tool"}], "max_tokens": 1}', "application/json"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
      "application/json"),
     ("/v1/models/load", b'{"model": "../../etc"}', "application/json"),

@@ -23,7 +23,7 @@ DROP_EVERY = 3  # streams 0, 3, 6, ... disconnect after their first content chun
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    with launch_server(default_model_dir) as url:
+    with launch_server(default_model_dir, ui=False) as url:
         yield url
 
 

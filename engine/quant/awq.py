@@ -20,9 +20,8 @@ import torch
 
 from engine.layers.linear import PackedInt4
 from engine.quant.formats import (SCALE_DTYPES, GetTensor, QuantMethod, check_divisible, config_value, fetch,
-                                  require_bits, require_group_size)
+                                  pack_nibbles, pack_rows, require_bits, require_group_size, unpack_nibbles)
 from engine.request import EngineError
-from kernels.reference import pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds column 8c + AWQ_ORDER[i]
 _AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j sits in nibble _AWQ_UNORDER[j]
@@ -31,20 +30,15 @@ SUPPORTED_VERSION = "gemm"
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """[rows, cols / 8] int32 in AWQ column order -> [rows, cols] int32 codes 0..15."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # [8]
-    nibbles = (packed[:, :, None] >> shifts) & 0xF  # [rows, cols / 8, 8], by nibble position
-    order = torch.tensor(_AWQ_UNORDER, device=packed.device)
-    return nibbles[:, :, order].reshape(packed.shape[0], -1)
+    nibbles = unpack_nibbles(packed, dim=2)  # [rows, cols / 8, 8], by nibble position
+    return nibbles[:, :, list(_AWQ_UNORDER)].reshape(packed.shape[0], -1)
 
 
 def pack_awq(codes: torch.Tensor) -> torch.Tensor:
     """[rows, cols] integer codes 0..15 -> [rows, cols / 8] int32 in AWQ column order (inverse of unpack_awq)."""
     rows, cols = codes.shape
-    by_column = codes.to(torch.int64).reshape(rows, cols // 8, 8)
-    nibbles = by_column[:, :, list(AWQ_ORDER)]  # nibble i <- column AWQ_ORDER[i]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    packed = (nibbles << shifts).sum(dim=-1)  # [rows, cols / 8], unsigned 32-bit values
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    by_column = codes.to(torch.int32).reshape(rows, cols // 8, 8)
+    return pack_nibbles(by_column[:, :, list(AWQ_ORDER)], dim=2)  # nibble i <- column AWQ_ORDER[i]
 
 
 def awq_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -93,4 +87,4 @@ class AWQMethod(QuantMethod):
         scales = fetch(get_tensor, f"{prefix}.scales", (num_groups, out_features), SCALE_DTYPES, "AWQ")
         codes = unpack_awq(qweight)  # [in, out]
         zeros = unpack_awq(qzeros)  # [in / G, out]
-        return PackedInt4(pack_int4(codes), scales.to(dtype), zeros.to(dtype), group)
+        return PackedInt4(pack_rows(codes), scales.to(dtype), zeros.to(dtype), group)

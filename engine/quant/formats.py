@@ -150,3 +150,38 @@ def check_divisible(value: int, by: int, what: str, prefix: str, method: str) ->
 
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SHIFTS = tuple(range(0, 32, 4))
+
+
+def pack_nibbles(nibbles: torch.Tensor, dim: int) -> torch.Tensor:
+    """Pack size-8 ``dim`` of int codes 0..15 into int32, element ``i`` in bits 4i..4i+3 (wrapping into the sign bit).
+
+    Plain int32 shifts and ors: an int64 round trip would need 2x the memory of the codes on a 7B model.
+    """
+    nibbles = nibbles.to(torch.int32)
+    packed = nibbles.select(dim, 0).clone()
+    for i in range(1, 8):
+        packed |= nibbles.select(dim, i) << _SHIFTS[i]
+    return packed
+
+
+def unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of ``pack_nibbles``: a new size-8 axis at ``dim`` holding codes 0..15 (int32)."""
+    return torch.stack([(packed >> shift) & 0xF for shift in _SHIFTS], dim=dim)
+
+
+def pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """[K, N] codes -> [K // 8, N] int32, nibble j of row r = row 8r + j (kernels/reference.py's ``pack_int4``)."""
+    k, n = codes.shape
+    return pack_nibbles(codes.reshape(k // 8, 8, n), dim=1)
+
+
+def pack_cols(codes: torch.Tensor) -> torch.Tensor:
+    """[R, C] codes -> [R, C // 8] int32, nibble j of column c = column 8c + j (GPTQ's qzeros)."""
+    r, c = codes.shape
+    return pack_nibbles(codes.reshape(r, c // 8, 8), dim=2)
+
+
+def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_cols``: [R, C // 8] int32 -> [R, C] int32."""
+    return unpack_nibbles(packed, dim=2).reshape(packed.shape[0], -1)

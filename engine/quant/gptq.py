@@ -26,26 +26,12 @@ import torch
 
 from engine.layers.linear import PackedInt4
 from engine.quant.formats import (SCALE_DTYPES, GetTensor, QuantMethod, check_divisible, config_value, fetch,
-                                  require_bits, require_group_size)
+                                  pack_cols, pack_rows, require_bits, require_group_size, unpack_cols)
 from engine.request import EngineError
-from kernels.reference import pack_int4, unpack_int4
+from kernels.reference import unpack_int4
 
 FORMATS = ("gptq", "gptq_v2")
 V1_OFFSET = 0x11111111  # one added to each of the eight 4-bit zero-points of an int32
-
-
-def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, cols / 8] int32 packed along columns in plain order -> [rows, cols] int32 codes."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return ((packed[:, :, None] >> shifts) & 0xF).reshape(packed.shape[0], -1)
-
-
-def pack_cols(codes: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] codes 0..15 -> [rows, cols / 8] int32, column 8c + j in nibble j (inverse of unpack_cols)."""
-    rows, cols = codes.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    packed = (codes.to(torch.int64).reshape(rows, cols // 8, 8) << shifts).sum(dim=-1)
-    return _to_int32(packed)
 
 
 def v1_to_v2(qzeros: torch.Tensor) -> torch.Tensor:
@@ -72,7 +58,7 @@ def gptq_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     if checkpoint_format == "gptq":
         qzeros = v2_to_v1(qzeros)
     return {
-        "qweight": pack_int4(codes.t().contiguous()),  # [in / 8, out]
+        "qweight": pack_rows(codes.t()),  # [in / 8, out]
         "qzeros": qzeros,
         "scales": scales.to(torch.float16).contiguous(),  # [n_groups, out]
         "g_idx": g_idx.to(torch.int32).contiguous(),  # [in]
@@ -147,7 +133,7 @@ class GPTQMethod(QuantMethod):
         zeros = unpack_cols(qzeros)  # [n_groups, out]
         perm = self._act_order_perm(get_tensor, prefix, in_features, group)
         if perm is not None:
-            qweight = pack_int4(unpack_int4(qweight)[perm])  # rows sorted by group
+            qweight = pack_rows(unpack_int4(qweight)[perm])  # rows sorted by group
         return PackedInt4(qweight, scales.to(dtype), zeros.to(dtype), group, perm)
 
     def _act_order_perm(self, get_tensor: GetTensor, prefix: str, in_features: int,

@@ -93,6 +93,7 @@ def quantize_model(src_dir: Path | str, out_dir: Path | str, method: str, group_
     opts = _validate_options(method, group_size, bits, sym, desc_act, options)
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     config = _read_source_config(src_dir)
+    _check_group_size_against_config(config, opts.group_size)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     model, tokenizer = _load_model(src_dir)
@@ -139,6 +140,23 @@ def _read_source_config(src_dir: Path) -> dict:
         raise EngineError(f"the quantizer supports {', '.join(SUPPORTED_ARCHITECTURES)}, not {archs}",
                           param="model")
     return config
+
+
+def _check_group_size_against_config(config: dict, group_size: int) -> None:
+    """Refuse a group size that does not divide every linear input size, before loading anything."""
+    hidden = int(config.get("hidden_size", 0))
+    heads = int(config.get("num_attention_heads", 0))
+    head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
+    for name, size in (("hidden_size", hidden), ("intermediate_size", int(config.get("intermediate_size", 0))),
+                       ("num_attention_heads * head_dim", heads * head_dim)):
+        if size and group_size != -1 and size % group_size:
+            raise EngineError(f"group_size {group_size} does not divide the model's {name} {size}: AWQ and "
+                              f"Pagoda's kernels need whole groups; choose a divisor such as "
+                              f"{_largest_divisor(size)} (or -1 for one group per row)", param="group_size")
+
+
+def _largest_divisor(size: int) -> int:
+    return next(g for g in (128, 64, 32, 16, 8) if size % g == 0) if size % 8 == 0 else -1
 
 
 def _load_model(src_dir: Path):

@@ -50,7 +50,7 @@ def to_fp16_grid(scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int = 15) -> torch.Tensor:
     """Codes of ``w`` on the grid; ``scale``/``zero`` broadcast against ``w``. Returns float32 codes 0..maxq."""
-    return torch.clamp(torch.round(w.float() / scale) + zero, 0, maxq)
+    return (w.float() / scale).round_().add_(zero).clamp_(0, maxq)
 
 
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,9 @@ def build_router(engine: AsyncEngine, allow_local_paths: bool) -> APIRouter:
         target = check_model_reference(req.model, allow_local_paths)
         try:
             info = await engine.switch_model(target, **req.engine_overrides())
-        except EngineError:
-            raise
+        except EngineError as exc:  # the model's problem (bad folder, unsupported, will not fit): a 400
+            raise APIError(400, f"{exc.message}; {engine.model_name or 'no model'} is serving",
+                           exc.param or "model", exc.code or "load_failed") from exc
         except Exception as exc:  # out of memory, a corrupt file the loader did not anticipate...
             log.exception("loading %s failed", req.model)
             raise APIError(500, f"loading {req.model} failed: {type(exc).__name__}: {exc}; "

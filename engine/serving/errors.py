@@ -11,7 +11,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineStepError, EngineUnavailableError
@@ -38,6 +38,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class ClientDisconnected(Exception):
+    """The client went away while its request was being prepared or generated (nobody to answer)."""
 
 
 def error_payload(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -118,6 +122,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         return error_response(APIError(exc.status_code, message, None, _HTTP_CODES.get(exc.status_code)))
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; never read by anyone
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:

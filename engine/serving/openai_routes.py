@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.async_engine import AsyncEngine, DeltaTracker, NoModelLoadedError, RequestStream, SampleDelta
 from engine.request import EngineError, Logprob, RequestOutput, SamplingParams
 from engine.serving import protocol as p
-from engine.serving.errors import APIError, error_payload, to_api_error
+from engine.serving.errors import APIError, ClientDisconnected, error_payload, to_api_error
 from engine.tokenizer import flatten_content
 
 INLINE_TOKENIZE_CHARS = 16_384  # longer texts are tokenized in a worker thread, off the event loop
@@ -96,16 +96,18 @@ def chat_messages(req: p.ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-async def off_loop(fn: Callable, *args, size: int = 0):
-    """Run tokenizer work inline when small, in a worker thread when large (keeps the event loop responsive)."""
-    return fn(*args) if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn, *args)
+async def off_loop(fn: Callable, *args, size: int = 0, param: str = "prompt"):
+    """Tokenizer work, inline when small, in a worker thread when large (keeps the event loop responsive).
+    Input the tokenizer cannot handle is the request's fault: a 400 naming ``param``, not a 500."""
+    try:
+        return fn(*args) if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn, *args)
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"cannot tokenize this input: {type(exc).__name__}", param=param) from exc
 
 
 # ---- disconnects and streams -----------------------------------------------------------------------------------
-class ClientDisconnected(Exception):
-    pass
-
-
 async def _wait_for_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -141,7 +143,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         try:
             async for output in stream:
                 await queue.put((i, output, None))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- re-raised by the consumer
             await queue.put((i, None, exc))
         await queue.put((i, None, None))
 
@@ -187,7 +189,7 @@ async def sse_events(chunks: AsyncIterator[dict], streams: list[RequestStream]) 
         async for chunk in chunks:
             yield sse(chunk)
         yield sse("[DONE]")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- headers are sent: report it in-band
         error = to_api_error(exc)
         yield sse(error_payload(error.message, error.type, error.param, error.code))
         yield sse("[DONE]")
@@ -252,10 +254,12 @@ def _finite(value: float) -> float:
 
 
 def usage_of(prompt_lens: list[int], finals: list[RequestOutput | None]) -> p.UsageInfo:
+    """Prompt tokens of every prompt; generated tokens summed over prompts and samples; prefix-cache hits."""
     prompt_tokens = sum(prompt_lens)
     completion = sum(len(o.token_ids) for final in finals if final is not None for o in final.outputs)
+    cached = sum(final.num_cached_tokens for final in finals if final is not None)
     return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                       total_tokens=prompt_tokens + completion)
+                       total_tokens=prompt_tokens + completion, prompt_tokens_details={"cached_tokens": cached})
 
 
 # ---- the router ------------------------------------------------------------------------------------------------
@@ -267,12 +271,13 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
     def token_text(token_id: int) -> str:
         return token_text_cache(engine.tokenizer, token_id)
 
-    async def start(prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[RequestStream]:
+    async def start(prompts: list[list[int]], params: SamplingParams, request_id: str,
+                    model: str) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await engine.add_request(rid, params=params, prompt_token_ids=ids))
+                streams.append(await engine.add_request(rid, params=params, prompt_token_ids=ids, model=model))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -314,12 +319,13 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         tokenizer, max_len = engine.tokenizer, engine.max_model_len
         messages = chat_messages(req)
         size = sum(len(m["content"]) for m in messages)
-        ids = await off_loop(tokenizer.encode_chat, messages, req.add_generation_prompt, size=size)
+        ids = await off_loop(tokenizer.encode_chat, messages, req.add_generation_prompt, size=size,
+                             param="messages")
         check_prompt_length(len(ids), max_len, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), max_len, k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await unless_disconnected(request, start([ids], params, request_id))
+        streams = await unless_disconnected(request, start([ids], params, request_id, model))
         if req.stream:
             return SSEResponse(sse_events(chat_chunks(req, model, request_id, len(ids), streams[0]), streams))
         final = (await unless_disconnected(request, collect(streams)))[0]
@@ -379,7 +385,7 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         params = sampling_params(req, req.max_tokens, longest, max_len, req.logprobs)
         echoes = [tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await unless_disconnected(request, start(prompts, params, request_id))
+        streams = await unless_disconnected(request, start(prompts, params, request_id, model))
         lens = [len(ids) for ids in prompts]
         if req.stream:
             return SSEResponse(sse_events(completion_chunks(req, model, request_id, lens, echoes, streams), streams))
@@ -431,7 +437,7 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
             chat = p.ChatCompletionRequest(messages=req.messages)
             messages = chat_messages(chat)
             ids = await off_loop(tokenizer.encode_chat, messages, req.add_generation_prompt,
-                                 size=sum(len(m["content"]) for m in messages))
+                                 size=sum(len(m["content"]) for m in messages), param="messages")
         else:
             ids = await off_loop(tokenizer.encode, req.prompt, req.add_special_tokens, size=len(req.prompt))
         strs = [token_text(t) for t in ids] if req.return_token_strs else None
@@ -443,7 +449,7 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         if any(t >= engine.vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be below the vocabulary size {engine.vocab_size}", "tokens")
         return p.DetokenizeResponse(prompt=await off_loop(engine.tokenizer.decode, req.tokens,
-                                                          size=len(req.tokens)))
+                                                          size=len(req.tokens), param="tokens"))
 
     return router
 

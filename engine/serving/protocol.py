@@ -11,8 +11,19 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer
 
+
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"); they are not text and cannot be tokenized or echoed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the string contains invalid Unicode (a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
@@ -20,7 +31,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 TokenCount = Annotated[int, Field(ge=1, le=1_000_000)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-StopList = Annotated[list[str], Field(max_length=16)]
+StopList = Annotated[list[Text], Field(max_length=16)]
 MAX_N = 64
 MAX_PROMPTS = 64
 
@@ -41,21 +52,21 @@ class ResponseFormat(APIModel):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str = "text"
-    text: str | None = None
+    type: Text = "text"
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id... are kept and ignored
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class SamplingRequest(APIModel):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
 
-    model: str | None = Field(None, description="the served model's id (GET /v1/models); omit for the loaded one")
+    model: Text | None = Field(None, description="the served model's id (GET /v1/models); omit for the loaded one")
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     max_tokens: TokenCount | None = None
     temperature: Temperature | None = None
@@ -63,11 +74,11 @@ class SamplingRequest(APIModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
-    stop: str | StopList | None = None
+    stop: Text | StopList | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Bias] | None = Field(None, max_length=1024)
-    user: str | None = None
+    user: Text | None = None
     # vLLM extras
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
@@ -91,20 +102,20 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: (Annotated[str, Field(min_length=1)]
-             | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: (Annotated[Text, Field(min_length=1)]
+             | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)])
     max_tokens: TokenCount | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
 
 class TokenizeRequest(APIModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -112,7 +123,7 @@ class TokenizeRequest(APIModel):
 
 
 class DetokenizeRequest(APIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]
 
 
@@ -120,7 +131,7 @@ class LoadModelRequest(BaseModel):
     """POST /v1/models/load: a catalog id or an existing local model folder, plus engine arguments."""
 
     model_config = ConfigDict(extra="forbid")
-    model: Annotated[str, Field(min_length=1, max_length=4096)]
+    model: Annotated[Text, Field(min_length=1, max_length=4096)]
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     max_model_len: Annotated[int, Field(ge=16, le=10_000_000)] | None = None
     max_num_seqs: Annotated[int, Field(ge=1, le=4096)] | None = None

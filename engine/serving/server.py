@@ -11,6 +11,7 @@ import importlib
 import ipaddress
 import json
 import logging
+import os
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -38,7 +39,7 @@ def pagoda_version() -> str:
         from importlib.metadata import version
 
         return version("pagoda")
-    except Exception:
+    except Exception:  # noqa: BLE001 -- not installed, broken metadata
         return "0.0.0+local"
 
 
@@ -147,13 +148,16 @@ def mount_ui(app: FastAPI, client: AsyncEngine) -> bool:
     return True
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = True) -> FastAPI:
-    """The app around an existing AsyncEngine (tests and embedding use this; ``build_server`` loads first)."""
+def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = True,
+              owns_engine: bool = True) -> FastAPI:
+    """The app around an existing AsyncEngine (tests and embedding use this; ``build_server`` loads first).
+    ``owns_engine``: shut the engine down (free the model) when the app stops."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        engine.shutdown()
+        if owns_engine:
+            engine.shutdown()
 
     version = pagoda_version()
     app = FastAPI(title="Pagoda", version=version, lifespan=lifespan,
@@ -186,12 +190,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = Tru
 
 
 def build_server(args: EngineArgs, api_key: str | None = None, host: str = "127.0.0.1", port: int = 7860,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """Load the model first (so the port opens only when it serves), then return the app."""
+                 max_body_bytes: int = MAX_BODY_BYTES, with_ui: bool | None = None) -> FastAPI:
+    """Load the model first (so the port opens only when it serves), then return the app.
+
+    ``with_ui=None`` reads ``PAGODA_UI`` (``0`` serves the API alone: a headless server starts faster)."""
     if not api_key and not is_loopback(host):
         log.warning("listening on %s without an API key: anyone who can reach this port can use the model", host)
+    if with_ui is None:
+        with_ui = os.environ.get("PAGODA_UI", "1").strip().lower() not in ("0", "false", "no", "off")
     engine = AsyncEngine(args)
-    return build_app(engine, ServerSettings(api_key or None, host, port, max_body_bytes))
+    return build_app(engine, ServerSettings(api_key or None, host, port, max_body_bytes), with_ui=with_ui)
 
 
 class ServerThread:

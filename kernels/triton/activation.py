@@ -34,6 +34,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and inter > 0:
         block = min(2048, next_pow2(inter))
-        _silu_and_mul_kernel[(x2.shape[0], cdiv(inter, block))](x2, out, inter, x2.stride(0), out.stride(0),
-                                                               BLOCK=block, num_warps=max(1, min(8, block // 256)))
+        _silu_and_mul_kernel[(x2.shape[0], cdiv(inter, block))](
+            x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=max(1, min(8, block // 256))
+        )
     return out.reshape(*x.shape[:-1], inter)

@@ -10,10 +10,28 @@ from kernels.triton.common import next_pow2
 
 
 @triton.jit
-def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache, v_cache, slot_ptr, num_kv_heads, head_dim, block_size,
-                              stride_kt, stride_kh, stride_vt, stride_vh,
-                              stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache,
+    v_cache,
+    slot_ptr,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # key/value: [T, KH, D] -> k_cache/v_cache[block, offset] : [KH, D]
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -31,13 +49,24 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache, v_cache, slot_ptr, nu
     tl.store(vdst, v.to(v_cache.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     # key, value: [T, KH, D]; k_cache, v_cache: [num_blocks, block_size, KH, D]; slot_mapping: [T]
     num_tokens, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(f"reshape_and_cache: key {tuple(key.shape)}, value {tuple(value.shape)}, "
-                         f"cache {tuple(k_cache.shape)} disagree")
+    if (
+        value.shape != key.shape
+        or k_cache.shape != v_cache.shape
+        or k_cache.shape[2:] != (num_kv_heads, head_dim)
+    ):
+        raise ValueError(
+            f"reshape_and_cache: key {tuple(key.shape)}, value {tuple(value.shape)}, "
+            f"cache {tuple(k_cache.shape)} disagree"
+        )
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError("reshape_and_cache: slot_mapping length != number of tokens")
     if key.stride(-1) != 1:
@@ -50,7 +79,25 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         return
     block_h, block_d = next_pow2(num_kv_heads), next_pow2(head_dim)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim, k_cache.shape[1],
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 1)
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 1,
+    )

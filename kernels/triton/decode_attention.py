@@ -20,12 +20,37 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr, part_acc, part_ml,
-                   qk_scale, partition_size,
-                   stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_bts, stride_os, stride_oh, num_splits,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    out_ptr,
+    part_acc,
+    part_ml,
+    qk_scale,
+    partition_size,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bts,
+    stride_os,
+    stride_oh,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -39,8 +64,11 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr,
     d = tl.arange(0, BLOCK_D)
     row_mask = rows < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, BLOCK_D]
+    q = tl.load(
+        q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [GROUP_PAD, BLOCK_D]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -54,10 +82,16 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr,
         block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         offs = t % BLOCK_SIZE
         kv_mask = t_mask[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))  # constant along D when even
-        k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -75,13 +109,26 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr,
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty context gives zeros, like the reference
         out = acc / l_safe[:, None]
-        tl.store(out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
 
 
 @triton.jit
-def _reduce_kernel(part_acc, part_ml, out_ptr, num_splits, stride_os, stride_oh, num_heads,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _reduce_kernel(
+    part_acc,
+    part_ml,
+    out_ptr,
+    num_splits,
+    stride_os,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     # partials [num_seqs * num_heads, num_splits, BLOCK_D] -> out [num_seqs, num_heads, HEAD_DIM]
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -90,20 +137,25 @@ def _reduce_kernel(part_acc, part_ml, out_ptr, num_splits, stride_os, stride_oh,
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
     m = tl.load(part_ml + (row * num_splits + s) * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml + (row * num_splits + s) * 2 + 1, mask=s_mask, other=0.0)
+    denom = tl.load(part_ml + (row * num_splits + s) * 2 + 1, mask=s_mask, other=0.0)  # softmax sums
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(s_mask & (l > 0.0), tl.exp2(m - m_max), 0.0)  # [BLOCK_S]
-    acc = tl.load(part_acc + (row * num_splits + s)[:, None] * BLOCK_D + d[None, :],
-                  mask=(s_mask & (l > 0.0))[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w * l, axis=0)
+    w = tl.where(s_mask & (denom > 0.0), tl.exp2(m - m_max), 0.0)  # [BLOCK_S]
+    acc = tl.load(
+        part_acc + (row * num_splits + s)[:, None] * BLOCK_D + d[None, :],
+        mask=(s_mask & (denom > 0.0))[:, None],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w * denom, axis=0)
     total = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM
+    )
 
 
 def _config(block_size: int) -> dict:
-    """Keys per loop step and pipelining: 64 keys (4 blocks of 16), 4 stages deep (measured best), on a GPU."""
+    """Keys per loop step and pipelining on a GPU: 64 keys (4 blocks of 16), 4 stages (measured best)."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     return {"BLOCK_N": max(64, block_size), "num_warps": 4, "num_stages": 4}
@@ -119,10 +171,18 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_ctx: int, block_n: in
     return cdiv(cdiv(max_ctx, splits), block_n) * block_n
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, partition_size: int | None = None,
-                     config: dict | None = None) -> torch.Tensor:
-    # q: [num_seqs, H, D]; k_cache/v_cache: [num_blocks, block_size, KH, D]; block_tables: [num_seqs, max_blocks]
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    partition_size: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    # q: [num_seqs, H, D]; k_cache/v_cache: [num_blocks, block_size, KH, D]
+    # block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] -> out [num_seqs, H, D]
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
@@ -147,20 +207,57 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits = cdiv(max_ctx, partition_size)
     split = num_splits > 1
     if split:
-        part_acc = torch.empty((num_seqs * num_heads * num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(
+            (num_seqs * num_heads * num_splits, block_d), dtype=torch.float32, device=q.device
+        )
         part_ml = torch.empty((num_seqs * num_heads * num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
     grid = (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * LOG2E, partition_size,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), num_splits,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SPLIT=split, **cfg)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_acc,
+        part_ml,
+        scale * LOG2E,
+        partition_size,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        **cfg,
+    )
     if split:
-        _reduce_kernel[(num_seqs, num_heads)](part_acc, part_ml, out, num_splits, out.stride(0), out.stride(1),
-                                              num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                              BLOCK_S=next_pow2(num_splits), num_warps=4)
+        _reduce_kernel[(num_seqs, num_heads)](
+            part_acc,
+            part_ml,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=next_pow2(num_splits),
+            num_warps=4,
+        )
     return out

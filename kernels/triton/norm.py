@@ -10,9 +10,21 @@ from kernels.triton.common import next_pow2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
-                     stride_x, stride_r, stride_o, stride_nr,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    hidden,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # one program per token row: x, residual [hidden] -> out [hidden], new_residual [hidden]
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -30,8 +42,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     # x, residual: [num_tokens, hidden]; weight: [hidden] -> (out [num_tokens, hidden], new_residual)
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
@@ -54,8 +67,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows > 0:
         block = next_pow2(hidden)
         num_warps = min(16, max(1, block // 512))
-        _rms_norm_kernel[(rows,)](x2, r2, weight, out, new_res, hidden, eps,
-                                  x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0),
-                                  HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps)
+        _rms_norm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            out,
+            new_res,
+            hidden,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            new_res.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
     new_residual = new_res.reshape(x.shape) if residual is not None else x
     return out.reshape(x.shape), new_residual

@@ -20,10 +20,28 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, k_lo, k_hi, q_pos, d,
-               stride_kb, stride_kt, stride_vb, stride_vt,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr):
+def _attn_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_head,
+    v_head,
+    bt_row,
+    k_lo,
+    k_hi,
+    q_pos,
+    d,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     # keys [k_lo, k_hi); unmasked tiles (MASKED False) are whole BLOCK_N tiles every query row may see
     for t0 in range(k_lo, k_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -32,20 +50,32 @@ def _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, k_lo, k_hi, q_pos, d,
             t_mask = t < k_hi
             block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
             kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
-            k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            v = tl.load(
+                v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
         else:
             block = tl.load(bt_row + t // BLOCK_SIZE).to(tl.int64)
             if BLOCK_D == HEAD_DIM:
                 k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :])
                 v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :])
             else:
-                k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
-                            mask=d[None, :] < HEAD_DIM, other=0.0)
-                v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
-                            mask=d[None, :] < HEAD_DIM, other=0.0)
+                k = tl.load(
+                    k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
+                    mask=d[None, :] < HEAD_DIM,
+                    other=0.0,
+                )
+                v = tl.load(
+                    v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
+                    mask=d[None, :] < HEAD_DIM,
+                    other=0.0,
+                )
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], log2 domain (q carries scale * log2 e)
         if MASKED:
             s = tl.where((t[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
@@ -63,12 +93,35 @@ def _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, k_lo, k_hi, q_pos, d,
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, context_lens, out_ptr,
-                    qk_scale, num_seqs,
-                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                    stride_bts, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    out_ptr,
+    qk_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bts,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles (longest causal rows) start first
     head = tl.program_id(1)
     # which sequence owns tile ``pid``: prefix sum of per-sequence tile counts
@@ -93,8 +146,11 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, cont
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     tok = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     q = (q.to(tl.float32) * qk_scale).to(q.dtype)  # fold softmax scale and log2 e into q once
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -108,20 +164,61 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, cont
     last_pos = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the last key any row of the tile sees
     last_pos = tl.where(valid, last_pos, 0)
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, last_pos)  # keys visible to every row
-    acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, 0, full_end, q_pos, d,
-                               stride_kb, stride_kt, stride_vb, stride_vt,
-                               HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False)
-    acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, full_end, last_pos, q_pos, d,
-                               stride_kb, stride_kt, stride_vb, stride_vt,
-                               HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True)
+    acc, m_i, l_i = _attn_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_head,
+        v_head,
+        bt_row,
+        0,
+        full_end,
+        q_pos,
+        d,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        False,
+    )
+    acc, m_i, l_i = _attn_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_head,
+        v_head,
+        bt_row,
+        full_end,
+        last_pos,
+        q_pos,
+        d,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        True,
+    )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
 
 
 def _config(head_dim: int, device: torch.device) -> dict:
-    """Tile shape: small under the interpreter; 128x128, 8 warps, 3 stages for head_dim 128 on a GPU (measured best)."""
+    """Tile shape: small under the interpreter; on a GPU 128x128, 8 warps, 3 stages (measured best)."""
     if interpreting() or device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if head_dim <= 64:
@@ -129,9 +226,16 @@ def _config(head_dim: int, device: torch.device) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                      config: dict | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:
     # q: [T, H, D]; caches: [num_blocks, block_size, KH, D]; block_tables: [S, max_blocks];
     # query_start_loc: [S + 1]; context_lens: [S] -> out [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
@@ -151,10 +255,31 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     cfg = dict(config or _config(head_dim, q.device))
     grid = (cdiv(num_tokens, cfg["BLOCK_M"]) + num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * LOG2E, num_seqs,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_S=next_pow2(num_seqs), **cfg)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        out,
+        scale * LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_S=next_pow2(num_seqs),
+        **cfg,
+    )
     return out

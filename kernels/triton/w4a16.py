@@ -3,15 +3,17 @@
 Layout (kernels/reference.py): qweight [K // 8, N] int32, nibble j of row r is input row 8r + j; scales and
 zeros [K // G, N] in the activation dtype; w = (code - zero) * scale; optional ``perm`` gathers x's columns.
 Three paths, picked by M (rows of x):
-- M <= 16, ``gemv``: tiles of 16 rows (one mma row block) and split-K across programs, so the packed weights are
-  streamed by enough programs to fill the GPU; split partials (fp32) are summed by ``_splitk_reduce_kernel``.
-  For M == 1 a variant without tensor cores (``_gemv_m1_kernel``) multiplies and accumulates in registers.
+- M <= 16, ``gemv``: split-K across programs so enough of them stream the packed weights to fill the GPU;
+  fp32 split partials are summed by ``_splitk_reduce_kernel``. The packed tile [BLOCK_K // 8, BLOCK_N] stays
+  in registers: nibble j of packed row r meets input row 8r + j (``J_LOOP``), so no unpack-reshape (a layout
+  shuffle through shared memory) is needed. M == 1 uses fp32 FMAs (``_gemv_m1_kernel``); 2..16 rows one
+  16-row ``tl.dot`` per nibble with the scale applied once per group after the sum.
 - 16 < M < ``DEQUANT_MIN_M``: tensor-core tiles; each K step unpacks a [BLOCK_K, BLOCK_N] weight tile in
   registers, dequantizes it and feeds ``tl.dot``. Autotuned over a few configs per (M bucket, N, K).
-- M >= ``DEQUANT_MIN_M``: dequantize once to a dense tile-friendly buffer and use torch.matmul (cuBLAS);
-  at these sizes the GEMM's arithmetic dwarfs the one extra pass over the weights.
-Every K step lies inside one quantization group (BLOCK_K <= G and G % BLOCK_K == 0), so a step needs one row
-of scales and zeros.
+- M >= ``DEQUANT_MIN_M``: dequantize once to a dense buffer and use torch.matmul (cuBLAS): measured faster
+  than the fused tiles from M = 256 up (BENCHMARKS.md, Kernels).
+Codes become floats without int->float converts (``_codes_to``), and every K step lies inside one
+quantization group (BLOCK_K <= G and G % BLOCK_K == 0), so a step needs one row of scales and zeros.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import triton.language as tl
 
 from kernels.triton.common import cdiv, interpreting, launch, next_pow2, num_sms
 
-DEQUANT_MIN_M = 1024
+DEQUANT_MIN_M = 128
 
 
 @triton.jit
@@ -57,8 +59,19 @@ def _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, DTYPE: t
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size,
-                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+def _dequant_tile(
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    k0,
+    rn,
+    n_mask,
+    N,
+    group_size,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     # -> dequantized [BLOCK_K, BLOCK_N] in DTYPE, rounded like the reference: (code - zero) * scale in DTYPE
     codes = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), DTYPE)
     s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, DTYPE)
@@ -67,11 +80,21 @@ def _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size,
 
 def _tc_configs() -> list[triton.Config]:
     """A few tensor-core tiles per M bucket (32, 64, 128, >= 256); ``_prune`` keeps the bucket's ones."""
-    shapes = [(32, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-              (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
-              (256, 128, 64, 8, 3)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st in shapes]
+    shapes = [
+        (32, 64, 128, 4, 4),
+        (32, 128, 128, 4, 4),
+        (64, 64, 128, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 128, 128, 8, 3),
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (128, 128, 128, 8, 3),
+        (256, 128, 64, 8, 3),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bm, bn, bk, w, st in shapes
+    ]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -94,13 +117,36 @@ def _prune(configs, named_args, **kwargs):
     return keep
 
 
-@triton.autotune(configs=_tc_configs(), key=["M_BUCKET", "N", "K", "GROUP_KEY", "SPLIT"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(
+    configs=_tc_configs(),
+    key=["M_BUCKET", "N", "K", "GROUP_KEY", "SPLIT"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N, K, group_size, k_per_split,
-                  stride_xm, stride_om, M_BUCKET, GROUP_KEY,
-                  HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w4a16_kernel(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    perm_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    group_size,
+    k_per_split,
+    stride_xm,
+    stride_om,
+    M_BUCKET,
+    GROUP_KEY,
+    HAS_PERM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    J_LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # x [M, K] @ W [K, N]; grid = (m tiles * n tiles, splits); out [M, N] or fp32 partials [splits, M, N]
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -116,23 +162,43 @@ def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N,
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    rr = tl.arange(0, BLOCK_K // 8)
     for k0 in range(k_start, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            rk = tl.load(perm_ptr + rk)
-        x = tl.load(x_rows + rk[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if SCALE_AFTER:
-            # the K step lies in one group, so x @ ((c - z) * s) = (x @ c - rowsum(x) * z) * s per column:
-            # the weight tile needs no arithmetic beyond its exact conversion (cheaper when BLOCK_M << BLOCK_K)
-            c = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), dtype)
+        if J_LOOP:
+            # no unpack-reshape: the packed tile [BLOCK_K // 8, BLOCK_N] stays in registers and nibble j of
+            # every packed row meets input rows 8r + j, one tl.dot (K = BLOCK_K // 8) per nibble
+            rp = k0 // 8 + rr
+            qw = tl.load(qw_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0)
             s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, tl.float32)
-            xc = tl.dot(x, c)  # [BLOCK_M, BLOCK_N] fp32, exact products of small integers
-            x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
+            xc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            x_sum = tl.zeros([BLOCK_M], tl.float32)
+            for j in tl.static_range(8):
+                kx = k0 + rr * 8 + j
+                if HAS_PERM:
+                    kx = tl.load(perm_ptr + kx)
+                xj = tl.load(x_rows + kx[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K // 8]
+                c = _codes_to((qw >> (4 * j)) & 0xF, dtype)  # [BLOCK_K // 8, BLOCK_N]
+                xc = tl.dot(xj, c, xc)
+                x_sum += tl.sum(xj.to(tl.float32), axis=1)
             acc += (xc - x_sum[:, None] * z[None, :]) * s[None, :]
         else:
-            w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N,
-                              dtype)
-            acc = tl.dot(x, w, acc)
+            rk = k0 + tl.arange(0, BLOCK_K)
+            if HAS_PERM:
+                rk = tl.load(perm_ptr + rk)
+            x = tl.load(x_rows + rk[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            if SCALE_AFTER:
+                # the K step lies in one group, so x @ ((c - z) * s) = (x @ c - rowsum(x) * z) * s per column:
+                # the weight tile needs no arithmetic beyond its exact conversion (cheap when BLOCK_M << BLOCK_K)
+                c = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), dtype)
+                s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, tl.float32)
+                xc = tl.dot(x, c)  # [BLOCK_M, BLOCK_N] fp32, exact products of small integers
+                x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
+                acc += (xc - x_sum[:, None] * z[None, :]) * s[None, :]
+            else:
+                w = _dequant_tile(
+                    qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N, dtype
+                )
+                acc = tl.dot(x, w, acc)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
         dst = out_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
@@ -142,9 +208,23 @@ def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N,
 
 
 @triton.jit
-def _gemv_m1_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, N, K, group_size, k_per_split,
-                    HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_m1_kernel(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    perm_ptr,
+    out_ptr,
+    N,
+    K,
+    group_size,
+    k_per_split,
+    HAS_PERM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # x [1, K] @ W [K, N] without tensor cores, fp32 FMAs into a [BLOCK_K, BLOCK_N] register tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,20 +232,29 @@ def _gemv_m1_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, N, 
     n_mask = rn < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    rr = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
     y = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            rk = tl.load(perm_ptr + rk)
-        x = tl.load(x_ptr + rk).to(tl.float32)  # [BLOCK_K]
-        c = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), tl.float32)
+        # packed tile [BLOCK_K // 8, BLOCK_N] stays in registers; nibble j of packed row r is input row 8r + j
+        rp = k0 // 8 + rr
+        qw = tl.load(qw_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0)
         s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, tl.float32)
+        xc = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+        x_sum = tl.zeros([BLOCK_K // 8], tl.float32)
+        for j in tl.static_range(8):
+            kx = k0 + rr * 8 + j
+            if HAS_PERM:
+                kx = tl.load(perm_ptr + kx)
+            xj = tl.load(x_ptr + kx).to(tl.float32)  # [BLOCK_K // 8]
+            c = _codes_to((qw >> (4 * j)) & 0xF, tl.float32)  # [BLOCK_K // 8, BLOCK_N]
+            if SCALE_AFTER:
+                xc += xj[:, None] * c
+                x_sum += xj
+            else:
+                acc += xj[:, None] * ((c - z[None, :]) * s[None, :])
         if SCALE_AFTER:  # per group: (sum_k x c - z sum_k x) * s
-            xc = tl.sum(x[:, None] * c, axis=0)  # [BLOCK_N]
-            y += (xc - tl.sum(x, axis=0) * z) * s
-        else:
-            acc += x[:, None] * ((c - z[None, :]) * s[None, :])
+            y += (tl.sum(xc, axis=0) - tl.sum(x_sum, axis=0) * z) * s
     if not SCALE_AFTER:
         y = tl.sum(acc, axis=0)  # [BLOCK_N]
     if SPLIT:
@@ -186,18 +275,23 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, MN, N, splits, stride_om, BLOCK: tl
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, group_size,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_kernel(
+    qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, group_size, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     # packed [K // 8, N] -> dense [K, N] in w's dtype; grid = (K // BLOCK_K, cdiv(N, BLOCK_N))
     k0 = tl.program_id(0) * BLOCK_K
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    w = _dequant_tile(qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N,
-                      w_ptr.dtype.element_ty)
-    rk = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-    tl.store(w_ptr + rk[:, None] * N + rn[None, :], w, mask=n_mask[None, :])
-
-
+    dtype = w_ptr.dtype.element_ty
+    rr = tl.arange(0, BLOCK_K // 8)
+    qw = tl.load(
+        qw_ptr + (k0 // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0
+    )
+    s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, dtype)
+    for j in tl.static_range(8):
+        w = (_codes_to((qw >> (4 * j)) & 0xF, dtype) - z[None, :]) * s[None, :]  # rows 8r + j
+        rows = (k0 + rr * 8 + j).to(tl.int64)
+        tl.store(w_ptr + rows[:, None] * N + rn[None, :], w, mask=n_mask[None, :])
 
 
 def _k_unit(group_size: int) -> int:
@@ -210,16 +304,31 @@ def _k_unit(group_size: int) -> int:
 
 
 def gemv_config(m: int, n: int, k: int, group_size: int, sms: int) -> dict:
-    """Tile, warps and split-K for M <= 16: enough programs (~4 per SM) to keep the weight stream in flight."""
+    """Tile, warps and split-K for M <= 16: many short programs so enough weight loads are in flight."""
     if interpreting():
-        return {"kernel": "m1" if m == 1 else "dot", "BLOCK_N": 16, "BLOCK_K": min(32, group_size), "num_warps": 1,
-                    "num_stages": 1, "split": max(1, min(2, k // min(32, group_size)))}
+        return {
+            "kernel": "m1" if m == 1 else "dot",
+            "BLOCK_N": 16,
+            "BLOCK_K": min(32, group_size),
+            "num_warps": 1,
+            "num_stages": 1,
+            "split": max(1, min(2, k // min(32, group_size))),
+        }
     block_k = _k_unit(group_size)
-    block_n = 64 if m == 1 else 128
+    block_n = 64 if m == 1 or n <= 8192 else 128
     kernel = "m1" if m == 1 else "dot"
-    tiles = cdiv(n, block_n)
-    split = max(1, min(cdiv(4 * sms, tiles), k // _k_unit(group_size), 16))
-    return {"kernel": kernel, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4, "split": split}
+    # Measured (BENCHMARKS.md): time tracks K steps per program, not bytes, so each program takes about
+    # two K steps; the fp32 partials (split x M x N, summed by a second small kernel) are capped near a
+    # quarter of the packed weight bytes as M grows.
+    split = max(1, min(k // (2 * block_k), max(2, k // (32 * m)), 64))
+    return {
+        "kernel": kernel,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "num_warps": 4,
+        "num_stages": 4,
+        "split": split,
+    }
 
 
 def _split_k(k: int, unit: int, split: int) -> tuple[int, int]:
@@ -229,28 +338,40 @@ def _split_k(k: int, unit: int, split: int) -> tuple[int, int]:
     return per, cdiv(k, per)
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     # qweight [K // 8, N] int32 -> dense [K, N] in scales' dtype
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     w = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
-    block_k = min(32 if interpreting() else 64, group_size)
-    block_n = 32 if interpreting() else 128
-    _dequant_kernel[(k // block_k, cdiv(n, block_n))](qweight, scales, zeros, w, n, group_size,
-                                                       BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    block_k = min(32, group_size) if interpreting() else _k_unit(group_size)
+    block_n = 32 if interpreting() else 64
+    _dequant_kernel[(k // block_k, cdiv(n, block_n))](
+        qweight, scales, zeros, w, n, group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4
+    )
     return w
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, perm: torch.Tensor | None = None, path: str | None = None,
-                 config: dict | None = None) -> torch.Tensor:
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    path: str | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     # x: [M, K] fp16/bf16; qweight: [K // 8, N] int32; scales, zeros: [K // G, N]; perm: [K] -> y [M, N]
-    # path: None picks by M; "gemv", "tc" or "dequant" force one (benchmarks); config: a gemv tile (benchmarks)
+    # path: None picks by M; "gemv", "tc" or "dequant" force one; config: a gemv tile (both for benchmarks)
     m, k = x.shape
     n = qweight.shape[1]
     group_size = k if group_size <= 0 else group_size
     if qweight.shape[0] * 8 != k or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
-        raise ValueError(f"w4a16_matmul: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
-                         f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group_size} disagree")
+        raise ValueError(
+            f"w4a16_matmul: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+            f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group_size} disagree"
+        )
     if k % group_size or (group_size % 32 and group_size != k) or k % 32:
         raise ValueError(f"w4a16_matmul: K={k} and group size {group_size} must be multiples of 32")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -271,15 +392,25 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     args = (qweight, scales, zeros, perm if perm is not None else qweight)
     sms = num_sms(x.device)
     if path == "gemv":
-        split = _gemv(x, args, out, m, n, k, group_size, perm is not None,
-                      dict(config or gemv_config(m, n, k, group_size, sms)))
+        split = _gemv(
+            x,
+            args,
+            out,
+            m,
+            n,
+            k,
+            group_size,
+            perm is not None,
+            dict(config or gemv_config(m, n, k, group_size, sms)),
+        )
     else:
         split = _tc(x, args, out, m, n, k, group_size, perm is not None, sms)
     if split is not None:
         parts, splits = split
         block = 1024 if not interpreting() else 256
-        _splitk_reduce_kernel[(cdiv(m * n, block),)](parts, out, m * n, n, splits, out.stride(0), BLOCK=block,
-                                                     num_warps=4)
+        _splitk_reduce_kernel[(cdiv(m * n, block),)](
+            parts, out, m * n, n, splits, out.stride(0), BLOCK=block, num_warps=4
+        )
     return out
 
 
@@ -292,14 +423,33 @@ def _gemv(x, args, out, m, n, k, group_size, has_perm, cfg):
     if kind == "m1" and m == 1:
         grid = (cdiv(n, cfg["BLOCK_N"]), split)
         cfg.setdefault("SCALE_AFTER", False)
-        _gemv_m1_kernel[grid](x, *args, dst, n, k, group_size, k_per_split, HAS_PERM=has_perm, SPLIT=split > 1,
-                              **cfg)
+        _gemv_m1_kernel[grid](
+            x, *args, dst, n, k, group_size, k_per_split, HAS_PERM=has_perm, SPLIT=split > 1, **cfg
+        )
     else:
         cfg.setdefault("BLOCK_M", 16)
         cfg.setdefault("SCALE_AFTER", True)
+        cfg.setdefault("J_LOOP", cfg["BLOCK_K"] >= 128 or interpreting())  # tl.dot needs K >= 16 on GPUs
         grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
-        launch(_w4a16_kernel, grid, x, *args, dst, m, n, k, group_size, k_per_split, x.stride(0), out.stride(0),
-               16, group_size, HAS_PERM=has_perm, SPLIT=split > 1, config=cfg)
+        launch(
+            _w4a16_kernel,
+            grid,
+            x,
+            *args,
+            dst,
+            m,
+            n,
+            k,
+            group_size,
+            k_per_split,
+            x.stride(0),
+            out.stride(0),
+            16,
+            group_size,
+            HAS_PERM=has_perm,
+            SPLIT=split > 1,
+            config=cfg,
+        )
     return (dst, split) if split > 1 else None
 
 
@@ -314,7 +464,30 @@ def _tc(x, args, out, m, n, k, group_size, has_perm, sms):
     def grid(meta):
         return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
 
-    fixed = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": min(32, group_size), "num_warps": 4} if interpreting() else None
-    launch(_w4a16_kernel, grid, x, *args, dst, m, n, k, group_size, k_per_split, x.stride(0), out.stride(0),
-           m_bucket, group_size, HAS_PERM=has_perm, SPLIT=split > 1, SCALE_AFTER=False, config=fixed)
+    fixed = (
+        {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": min(32, group_size), "num_warps": 4}
+        if interpreting()
+        else None
+    )
+    launch(
+        _w4a16_kernel,
+        grid,
+        x,
+        *args,
+        dst,
+        m,
+        n,
+        k,
+        group_size,
+        k_per_split,
+        x.stride(0),
+        out.stride(0),
+        m_bucket,
+        group_size,
+        HAS_PERM=has_perm,
+        SPLIT=split > 1,
+        SCALE_AFTER=False,
+        J_LOOP=False,
+        config=fixed,
+    )
     return (dst, split) if split > 1 else None

@@ -1,0 +1,197 @@
+"""Our quantizer on the default model: AWQ and GPTQ checkpoints keep perplexity within 10% of fp16 and beat RTN.
+
+Each method quantizes SmolLM2-135M-Instruct once per session (CPU, small calibration). The checkpoints are
+read back through Pagoda's loader, dequantized into a plain transformers model, and scored on
+data/heldout.txt, a text the calibration never saw. The layout checks decode the written tensors with
+this file's own unpacking (AutoAWQ's column order, AutoGPTQ's v1 zero-points), not Pagoda's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.quant import quantize_model
+from engine.quant.evaluate import load_dense_model, perplexity
+from engine.request import EngineError
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = 32  # divides 576 and 1536; 128 does not divide SmolLM2's hidden size 576
+SETTINGS = {
+    "rtn": {},
+    "awq": {"num_samples": 4, "seq_len": 256},
+    "gptq": {"num_samples": 8, "seq_len": 256, "desc_act": True},
+}
+LAYER0 = "model.layers.0"
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="session")
+def quantized(default_model_dir, tmp_path_factory) -> dict:
+    """method -> (checkpoint dir, seconds, progress log lines)."""
+    out = tmp_path_factory.mktemp("quantized")
+    results = {}
+    for method, settings in SETTINGS.items():
+        lines: list[str] = []
+        started = time.perf_counter()
+        path = quantize_model(default_model_dir, out / method, method, group_size=GROUP, log=lines.append,
+                              device="cpu", **settings)
+        results[method] = (path, time.perf_counter() - started, lines)
+    return results
+
+
+@pytest.fixture(scope="session")
+def heldout_ids(default_model_dir) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    return torch.tensor(tokenizer((ROOT / "data" / "heldout.txt").read_text()).input_ids)
+
+
+@pytest.fixture(scope="session")
+def perplexities(default_model_dir, quantized, heldout_ids) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    fp16 = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    result = {"fp16": perplexity(fp16, heldout_ids)}
+    for method, (path, seconds, _) in quantized.items():
+        result[method] = perplexity(load_dense_model(path), heldout_ids)
+        print(f"{method}: perplexity {result[method]:.3f} (fp16 {result['fp16']:.3f}), quantized in {seconds:.1f}s")
+    return result
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_calibration_and_heldout_texts_differ():
+    calibration = (ROOT / "data" / "calibration.txt").read_text()
+    heldout = (ROOT / "data" / "heldout.txt").read_text()
+    assert len(heldout) > 4000 and len(calibration) > 15000
+    sentences = {s.strip() for s in heldout.split(".") if len(s.strip()) > 30}
+    assert not any(s in calibration for s in sentences)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantized_perplexity_within_10_percent_of_fp16(perplexities, method):
+    assert perplexities[method] <= 1.10 * perplexities["fp16"], perplexities
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_awq_and_gptq_beat_round_to_nearest(perplexities, method):
+    assert perplexities[method] < perplexities["rtn"], perplexities
+
+
+def test_progress_is_reported_per_layer(quantized):
+    for method in ("awq", "gptq"):
+        lines = quantized[method][2]
+        assert any("layer 1/30" in line for line in lines) and any("layer 30/30" in line for line in lines)
+
+
+def test_awq_checkpoint_has_autoawq_gemm_layout(quantized, default_model_dir):
+    path = quantized["awq"][0]
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": GROUP,
+                                             "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    source = json.loads((default_model_dir / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k not in ("quantization_config", "dtype")} == \
+        {k: v for k, v in source.items() if k != "dtype"}
+    tensors = read_tensors(path)
+    for name in LINEARS:
+        prefix = f"{LAYER0}.{name}"
+        out_features = tensors[f"{prefix}.scales"].shape[1]
+        in_features = tensors[f"{prefix}.qweight"].shape[0]
+        assert f"{prefix}.weight" not in tensors
+        assert tensors[f"{prefix}.qweight"].dtype == torch.int32
+        assert tensors[f"{prefix}.qweight"].shape == (in_features, out_features // 8)
+        assert tensors[f"{prefix}.qzeros"].dtype == torch.int32
+        assert tensors[f"{prefix}.qzeros"].shape == (in_features // GROUP, out_features // 8)
+        assert tensors[f"{prefix}.scales"].dtype == torch.float16
+        assert tensors[f"{prefix}.scales"].shape == (in_features // GROUP, out_features)
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float16
+    assert f"{LAYER0}.input_layernorm.weight" in tensors
+
+
+def test_checkpoints_carry_tokenizer_and_chat_template(quantized, default_model_dir):
+    wanted = [p.name for p in default_model_dir.iterdir()
+              if p.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens"))]
+    assert "tokenizer.json" in wanted
+    for method in SETTINGS:
+        path = quantized[method][0]
+        for name in wanted:
+            assert (path / name).read_bytes() == (default_model_dir / name).read_bytes()
+        assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no half-written temp folders
+
+
+def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's GEMM column order, decoded here independently: nibble i holds column [0,2,4,6,1,3,5,7][i]."""
+    order_map = [0, 2, 4, 6, 1, 3, 5, 7]
+    out = torch.zeros(packed.shape[0], packed.shape[1] * 8, dtype=torch.int32)
+    for col in range(packed.shape[1]):
+        for i in range(8):
+            out[:, col * 8 + order_map[i]] = (packed[:, col] >> (4 * i)) & 0xF
+    return out
+
+
+def test_rtn_checkpoint_decodes_to_nearest_grid_points(quantized, default_model_dir):
+    """RTN written in AWQ layout: every weight decodes to within half a quantization step of the fp16 weight."""
+    tensors = read_tensors(quantized["rtn"][0])
+    source = read_tensors(default_model_dir)
+    for name in LINEARS:
+        prefix = f"{LAYER0}.{name}"
+        codes = awq_unpack(tensors[f"{prefix}.qweight"]).float()  # [in, out]
+        zeros = awq_unpack(tensors[f"{prefix}.qzeros"]).float().repeat_interleave(GROUP, dim=0)
+        scales = tensors[f"{prefix}.scales"].float().repeat_interleave(GROUP, dim=0)
+        decoded = (codes - zeros) * scales
+        weight = source[f"{prefix}.weight"].float().t()
+        assert ((decoded - weight).abs() <= 0.52 * scales + 1e-6).all(), name
+
+
+def test_gptq_checkpoint_has_autogptq_v1_layout_and_act_order(quantized, default_model_dir):
+    path = quantized["gptq"][0]
+    qcfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == \
+        {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
+         "checkpoint_format": "gptq"}
+    assert qcfg["true_sequential"] is True and "damp_percent" in qcfg
+    tensors = read_tensors(path)
+    source = read_tensors(default_model_dir)
+    for name in LINEARS:
+        prefix = f"{LAYER0}.{name}"
+        weight = source[f"{prefix}.weight"].float()  # [out, in]
+        out_features, in_features = weight.shape
+        qweight, qzeros = tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"]
+        scales, g_idx = tensors[f"{prefix}.scales"], tensors[f"{prefix}.g_idx"]
+        assert qweight.dtype == qzeros.dtype == g_idx.dtype == torch.int32 and scales.dtype == torch.float16
+        assert qweight.shape == (in_features // 8, out_features) and g_idx.shape == (in_features,)
+        assert qzeros.shape == (in_features // GROUP, out_features // 8)
+        assert torch.equal(torch.bincount(g_idx.long()), torch.full((in_features // GROUP,), GROUP))
+        assert not torch.equal(g_idx.long(), torch.arange(in_features) // GROUP)  # act-order permuted the groups
+        shifts = torch.arange(0, 32, 4)
+        codes = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(in_features, out_features)
+        zeros = (((qzeros[:, :, None] >> shifts) & 0xF) + 1).reshape(-1, out_features)  # v1 stores zero - 1
+        decoded = ((codes - zeros[g_idx.long()]) * scales.float()[g_idx.long()]).t()
+        relative_error = (decoded - weight).norm() / weight.norm()
+        assert relative_error < 0.2, (name, float(relative_error))
+
+
+def test_group_size_that_does_not_divide_the_hidden_size_is_refused(default_model_dir, tmp_path):
+    with pytest.raises(EngineError) as info:
+        quantize_model(default_model_dir, tmp_path / "out", "awq", group_size=128, log=lambda s: None)
+    assert "group_size 128" in str(info.value) and "576" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kwargs, param", [({"method": "squeeze"}, "method"), ({"method": "gptq", "bits": 3}, "bits"),
+                                           ({"method": "awq", "sym": True}, "sym")])
+def test_bad_quantizer_arguments_are_refused(default_model_dir, tmp_path, kwargs, param):
+    with pytest.raises(EngineError) as info:
+        quantize_model(default_model_dir, tmp_path / "out", group_size=64, log=lambda s: None, **kwargs)
+    assert info.value.param == param

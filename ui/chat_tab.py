@@ -1,0 +1,179 @@
+"""The Chat tab: streaming multi-turn chat with sampling controls, stop/regenerate/edit/clear, per-reply stats.
+
+The conversation lives in a ``gr.State`` as plain ``{"role", "content", "stats"}`` dicts (the canonical
+history the chat template sees); the Chatbot only displays it, with each reply's token counts and speed under
+it. Chat events run with no Gradio concurrency limit so that several browser tabs chatting at once reach the
+engine together and are batched there.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import gradio as gr
+
+from engine.tokenizer import flatten_content
+from ui.client import ChatSettings, EngineClient, UIError
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful, concise assistant."
+HIDDEN = gr.update(visible=False, value="")
+
+
+@dataclass
+class ChatTab:
+    """The components other tabs and the app wire to."""
+
+    chatbot: gr.Chatbot
+    history: gr.State
+
+
+def render(history: list[dict]) -> list[dict]:
+    """Chatbot messages for the canonical history: each reply followed by its stats line."""
+    messages = []
+    for turn in history:
+        content = flatten_content(turn.get("content"))
+        if turn.get("role") == "assistant" and turn.get("stats"):
+            footer = html.escape(turn["stats"])
+            content = f"{content}\n\n<span class='reply-stats'>{footer}</span>" if content else \
+                f"<span class='reply-stats'>{footer}</span>"
+        messages.append({"role": turn["role"], "content": content})
+    return messages
+
+
+def error_box(message: str) -> dict:
+    return gr.update(visible=True, value=f"⚠ {message}")
+
+
+def parse_seed(text: str | None) -> int | None:
+    text = (text or "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise UIError(f"The seed must be a whole number ≥ 0 (or empty for a random seed), not '{text[:40]}'.")
+    return int(text)
+
+
+def parse_settings(system: str, temperature: float, top_p: float, top_k: float, max_tokens: float,
+                   seed: str | None, stop: str) -> ChatSettings:
+    """The controls' values as ChatSettings; UIError for values the sampler would refuse."""
+    if not 0 < float(top_p) <= 1:
+        raise UIError("Top-p must be in (0, 1].")
+    stops = tuple(s.encode().decode("unicode_escape") if "\\" in s else s
+                  for s in (stop or "").splitlines() if s.strip())
+    return ChatSettings(system_prompt=system or "", temperature=float(temperature), top_p=float(top_p),
+                        top_k=int(top_k or 0), max_tokens=max(1, int(max_tokens or 1)),
+                        seed=parse_seed(seed), stop=stops)
+
+
+async def stream_reply(client: EngineClient, history: list[dict], settings: ChatSettings) -> AsyncIterator[tuple]:
+    """Yield (history, chatbot, error, stats line) while the reply to ``history`` streams in."""
+    reply = {"role": "assistant", "content": "", "stats": ""}
+    shown = [*history, reply]
+    yield shown, render(shown), HIDDEN, "Generating …"
+    try:
+        async for chunk in client.chat_stream(history, settings):
+            reply = {"role": "assistant", "content": chunk.text, "stats": chunk.stats.describe()}
+            shown = [*history, reply]
+            yield shown, render(shown), gr.update(), f"**Last reply:** {reply['stats']}"
+    except UIError as exc:
+        gr.Warning(exc.message)
+        kept = shown if reply["content"] else history  # keep a partial reply; drop an empty one
+        yield kept, render(kept), error_box(exc.message), ""
+
+
+def build_chat_tab(client: EngineClient) -> ChatTab:
+    history = gr.State([])
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=4):
+            chatbot = gr.Chatbot(elem_id="chatbot", height=540, show_label=False, buttons=["copy", "copy_all"],
+                                 placeholder="**Start a conversation.** Replies stream token by token; the "
+                                             "line under each reply shows its token counts and speed.",
+                                 feedback_options=None, group_consecutive_messages=False)
+            error = gr.Markdown(visible=False, elem_id="chat-error", elem_classes=["pagoda-error"])
+            with gr.Row(equal_height=True):
+                message = gr.Textbox(show_label=False, lines=2, max_lines=10, scale=8, elem_id="chat-input",
+                                     placeholder="Message the model …  (Enter sends, Shift+Enter adds a line)",
+                                     autofocus=True)
+                send = gr.Button("Send", variant="primary", scale=1, min_width=90, elem_id="chat-send")
+            with gr.Row():
+                stop = gr.Button("■ Stop", size="sm", variant="stop", elem_id="chat-stop")
+                regenerate = gr.Button("↻ Regenerate", size="sm", elem_id="chat-regenerate")
+                edit = gr.Button("✎ Edit last message", size="sm", elem_id="chat-edit")
+                clear = gr.Button("Clear chat", size="sm", elem_id="chat-clear")
+            stats_line = gr.Markdown(elem_id="reply-stats", elem_classes=["stats-line"])
+        with gr.Column(scale=1, min_width=280, elem_classes=["side-panel"]):
+            gr.Markdown("### Generation settings")
+            system = gr.Textbox(DEFAULT_SYSTEM_PROMPT, label="System prompt", lines=3, max_lines=8,
+                                elem_id="system-prompt")
+            temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature",
+                                    info="0 = greedy (deterministic)", elem_id="temperature")
+            top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.01, label="Top-p", elem_id="top-p")
+            top_k = gr.Slider(0, 200, value=0, step=1, label="Top-k", info="0 = off", elem_id="top-k")
+            max_tokens = gr.Slider(1, 4096, value=512, step=1, label="Max new tokens", elem_id="max-tokens")
+            seed = gr.Textbox(label="Seed", placeholder="random", info="a whole number for repeatable replies",
+                              elem_id="seed")
+            stop_seqs = gr.Textbox(label="Stop sequences", info="one per line", lines=2, elem_id="stop-seqs")
+    controls = [system, temperature, top_p, top_k, max_tokens, seed, stop_seqs]
+    outputs = [message, history, chatbot, error, stats_line]
+
+    async def respond(text: str, turns: list[dict], *values):
+        text = (text or "").strip()
+        if not text:
+            gr.Warning("Type a message first: the message is empty.")
+            yield gr.update(), turns, render(turns), error_box("Type a message first: the message is empty."), \
+                gr.update()
+            return
+        try:
+            settings = parse_settings(*values)
+        except UIError as exc:
+            gr.Warning(exc.message)
+            yield gr.update(), turns, render(turns), error_box(exc.message), gr.update()
+            return
+        asked = [*turns, {"role": "user", "content": text}]
+        async for shown, bot, err, line in stream_reply(client, asked, settings):
+            yield "", shown, bot, err, line
+
+    async def regenerate_last(turns: list[dict], *values):
+        turns = list(turns)
+        while turns and turns[-1]["role"] == "assistant":
+            turns.pop()
+        if not turns:
+            gr.Warning("Nothing to regenerate yet: send a message first.")
+            yield gr.update(), turns, render(turns), error_box("Nothing to regenerate yet."), gr.update()
+            return
+        try:
+            settings = parse_settings(*values)
+        except UIError as exc:
+            gr.Warning(exc.message)
+            yield gr.update(), turns, render(turns), error_box(exc.message), gr.update()
+            return
+        async for shown, bot, err, line in stream_reply(client, turns, settings):
+            yield gr.update(), shown, bot, err, line
+
+    def edit_last(turns: list[dict]):
+        last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
+        if last_user is None:
+            gr.Warning("There is no message to edit yet.")
+            return gr.update(), turns, render(turns), error_box("There is no message to edit yet."), gr.update()
+        kept = turns[:last_user]
+        text = flatten_content(turns[last_user]["content"])
+        return text, kept, render(kept), HIDDEN, "Editing your last message: change it and press Send."
+
+    def stopped(turns: list[dict]):
+        turns = [dict(t) for t in turns]
+        if turns and turns[-1]["role"] == "assistant" and "stopped" not in turns[-1].get("stats", ""):
+            turns[-1]["stats"] = (turns[-1].get("stats") or "0 tokens") + " · stopped"
+        return turns, render(turns), "Stopped."
+
+    free = {"concurrency_limit": None}  # let tabs chat at once: the engine batches them
+    submitted = message.submit(respond, [message, history, *controls], outputs, **free)
+    clicked = send.click(respond, [message, history, *controls], outputs, **free)
+    regenerated = regenerate.click(regenerate_last, [history, *controls], outputs, **free)
+    running = [submitted, clicked, regenerated]
+    stop.click(stopped, [history], [history, chatbot, stats_line], cancels=running)
+    edit.click(edit_last, [history], outputs, cancels=running)
+    clear.click(lambda: ([], [], HIDDEN, "", ""), None, [history, chatbot, error, stats_line, message],
+                cancels=running)
+    return ChatTab(chatbot, history)
