@@ -46,7 +46,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from engine.serving.server import build_server
 
     app = build_server(engine_args_from(ns), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"),
-                       host=ns.host, port=ns.port)
+                       host=ns.host, port=ns.port, with_ui=False if ns.no_ui else None)
     print(f"Pagoda serving on http://{ns.host}:{ns.port}  (OpenAI API at http://{ns.host}:{ns.port}/v1)", flush=True)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=3)
     return 0
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=7860)
     serve.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or set PAGODA_API_KEY)")
+    serve.add_argument("--no-ui", action="store_true", help="serve the API alone (faster start, no Gradio)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
     fetch = sub.add_parser("fetch", help="download or build a catalog model; prints its folder last")

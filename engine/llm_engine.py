@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 from engine.catalog import resolve_model
-from engine.config import EngineArgs, ModelConfig, resolve_device, resolve_dtype
+import torch
+
+from engine.config import EngineArgs, ModelConfig, parse_bytes, resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import read_config_dict
@@ -72,6 +74,8 @@ class LLMEngine:
         config = ModelConfig.from_dict(read_config_dict(self.model_dir))
         self.dtype = resolve_dtype(args.dtype, self.device, config.torch_dtype)
         max_model_len = args.max_model_len or config.max_position_embeddings
+        if args.max_model_len is not None:
+            self._require_fit_before_load(config)
         self.tokenizer = Tokenizer(self.model_dir)
         self.runner = ModelRunner(args, self.model_dir, self.device, self.dtype, max_model_len)
         self.model_config = self.runner.config
@@ -88,6 +92,24 @@ class LLMEngine:
         log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
                f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
                f"{layout.capacity_tokens / self.max_model_len:.2f}x")
+
+    def _require_fit_before_load(self, config: ModelConfig) -> None:
+        """Refuse, before reading any weights, a max_model_len whose one full request cannot fit the budget."""
+        from engine.fit import estimate_weight_bytes, require_fit
+        from engine.model_runner import CPU_DEFAULT_KV_MEMORY
+
+        args = self.args
+        kv_bytes = None
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = parse_bytes(args.gpu_memory_limit) if args.gpu_memory_limit else int(
+                total * args.gpu_memory_utilization)
+        else:
+            kv_bytes = parse_bytes(args.kv_cache_memory or CPU_DEFAULT_KV_MEMORY)
+            budget = estimate_weight_bytes(config, self.dtype) + kv_bytes
+        require_fit(config, self.dtype, budget, args.max_model_len, args.block_size,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                    kv_cache_bytes=kv_bytes, activation_reserve_bytes=0 if kv_bytes is not None else None)
 
     def _fit_max_model_len(self, requested: int) -> int:
         """An explicit --max-model-len must fit one full request in the KV pool; the default is capped to it."""

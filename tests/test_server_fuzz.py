@@ -15,7 +15,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_openai_api import launch_server
+from server_process import launch_server
 
 MAX_MODEL_LEN = 128
 ROUTES = {

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from test_openai_api import launch_server
+from server_process import launch_server
 
 NUM_STREAMS = 64
 MAX_TOKENS = 12

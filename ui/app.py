@@ -89,7 +89,7 @@ def theme() -> gr.themes.Base:
 
 def build_blocks(client: EngineClient) -> gr.Blocks:
     """The whole UI. Theme and CSS are applied where it is mounted (Gradio 6 takes them at mount/launch)."""
-    with gr.Blocks(title=TITLE, fill_width=True) as demo:
+    with gr.Blocks(title=TITLE, fill_width=True, analytics_enabled=False) as demo:  # no telemetry: a local app
         with gr.Row(elem_id="pagoda-header", equal_height=True):
             gr.HTML(LOGO, elem_id="pagoda-title")
             status = gr.Markdown(client.model_summary(), elem_id="model-status")

@@ -8,6 +8,8 @@ engine together and are batched there.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import html
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -67,13 +69,69 @@ def parse_settings(system: str, temperature: float, top_p: float, top_k: float, 
                         seed=parse_seed(seed), stop=stops)
 
 
-async def stream_reply(client: EngineClient, history: list[dict], settings: ChatSettings) -> AsyncIterator[tuple]:
+class ReplyControl:
+    """Stop signals for the reply streaming in each browser tab (keyed by Gradio's session hash).
+
+    Why not Gradio's ``cancels=``: a cancelled event leaves its outputs in an error state in the page. Here the
+    Stop button only sets an event; the streaming handler sees it, closes the engine stream (which aborts the
+    request and frees its KV blocks at once) and ends normally with the partial reply marked "stopped".
+    ``discard`` (Clear, Edit, a new message) ends the old stream without a last update, so it cannot overwrite
+    what the newer action shows.
+    """
+
+    def __init__(self):
+        self._current: dict[str, tuple[asyncio.Event, list[bool]]] = {}
+
+    def begin(self, session: str) -> tuple[asyncio.Event, list[bool]]:
+        self.stop(session, discard=True)
+        signal = (asyncio.Event(), [False])
+        self._current[session] = signal
+        return signal
+
+    def stop(self, session: str, discard: bool = False) -> bool:
+        signal = self._current.get(session)
+        if signal is None:
+            return False
+        signal[1][0] = signal[1][0] or discard
+        signal[0].set()
+        return True
+
+    def end(self, session: str, signal: tuple[asyncio.Event, list[bool]]) -> None:
+        if self._current.get(session) is signal:
+            del self._current[session]
+
+
+async def until_stopped(items: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
+    """The items of ``items`` until ``stop`` is set, then ``items`` is closed (aborting the engine request)."""
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(items.__anext__())
+            await asyncio.wait({step, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await step
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stopper.cancel()
+        await items.aclose()
+
+
+async def stream_reply(client: EngineClient, history: list[dict], settings: ChatSettings,
+                       signal: tuple[asyncio.Event, list[bool]]) -> AsyncIterator[tuple]:
     """Yield (history, chatbot, error, stats line) while the reply to ``history`` streams in."""
+    stop, discard = signal
     reply = {"role": "assistant", "content": "", "stats": ""}
     shown = [*history, reply]
     yield shown, render(shown), HIDDEN, "Generating …"
     try:
-        async for chunk in client.chat_stream(history, settings):
+        async for chunk in until_stopped(client.chat_stream(history, settings), stop):
             reply = {"role": "assistant", "content": chunk.text, "stats": chunk.stats.describe()}
             shown = [*history, reply]
             yield shown, render(shown), gr.update(), f"**Last reply:** {reply['stats']}"
@@ -81,6 +139,11 @@ async def stream_reply(client: EngineClient, history: list[dict], settings: Chat
         gr.Warning(exc.message)
         kept = shown if reply["content"] else history  # keep a partial reply; drop an empty one
         yield kept, render(kept), error_box(exc.message), ""
+        return
+    if stop.is_set() and not discard[0]:
+        reply = {**reply, "stats": (reply["stats"] or "0 tokens") + " · stopped"}
+        shown = [*history, reply]
+        yield shown, render(shown), gr.update(), f"**Stopped.** {reply['stats']}"
 
 
 def build_chat_tab(client: EngineClient) -> ChatTab:
@@ -93,7 +156,7 @@ def build_chat_tab(client: EngineClient) -> ChatTab:
                                  feedback_options=None, group_consecutive_messages=False)
             error = gr.Markdown(visible=False, elem_id="chat-error", elem_classes=["pagoda-error"])
             with gr.Row(equal_height=True):
-                message = gr.Textbox(show_label=False, lines=2, max_lines=10, scale=8, elem_id="chat-input",
+                message = gr.Textbox(show_label=False, lines=1, max_lines=10, scale=8, elem_id="chat-input",
                                      placeholder="Message the model …  (Enter sends, Shift+Enter adds a line)",
                                      autofocus=True)
                 send = gr.Button("Send", variant="primary", scale=1, min_width=90, elem_id="chat-send")
@@ -118,62 +181,72 @@ def build_chat_tab(client: EngineClient) -> ChatTab:
     controls = [system, temperature, top_p, top_k, max_tokens, seed, stop_seqs]
     outputs = [message, history, chatbot, error, stats_line]
 
-    async def respond(text: str, turns: list[dict], *values):
+    control = ReplyControl()
+
+    def refuse(turns: list[dict], message: str) -> tuple:
+        gr.Warning(message)
+        return gr.update(), turns, render(turns), error_box(message), gr.update()
+
+    async def respond(text: str, turns: list[dict], system: str, temperature: float, top_p: float, top_k: float,
+                      max_new: float, seed: str, stops: str, request: gr.Request):
         text = (text or "").strip()
         if not text:
-            gr.Warning("Type a message first: the message is empty.")
-            yield gr.update(), turns, render(turns), error_box("Type a message first: the message is empty."), \
-                gr.update()
+            yield refuse(turns, "Type a message first: the message is empty.")
             return
         try:
-            settings = parse_settings(*values)
+            settings = parse_settings(system, temperature, top_p, top_k, max_new, seed, stops)
         except UIError as exc:
-            gr.Warning(exc.message)
-            yield gr.update(), turns, render(turns), error_box(exc.message), gr.update()
+            yield refuse(turns, exc.message)
             return
         asked = [*turns, {"role": "user", "content": text}]
-        async for shown, bot, err, line in stream_reply(client, asked, settings):
-            yield "", shown, bot, err, line
+        signal = control.begin(request.session_hash)
+        try:
+            async for shown, bot, err, line in stream_reply(client, asked, settings, signal):
+                yield "", shown, bot, err, line
+        finally:
+            control.end(request.session_hash, signal)
 
-    async def regenerate_last(turns: list[dict], *values):
+    async def regenerate_last(turns: list[dict], system: str, temperature: float, top_p: float, top_k: float,
+                              max_new: float, seed: str, stops: str, request: gr.Request):
         turns = list(turns)
         while turns and turns[-1]["role"] == "assistant":
             turns.pop()
         if not turns:
-            gr.Warning("Nothing to regenerate yet: send a message first.")
-            yield gr.update(), turns, render(turns), error_box("Nothing to regenerate yet."), gr.update()
+            yield refuse(turns, "Nothing to regenerate yet: send a message first.")
             return
         try:
-            settings = parse_settings(*values)
+            settings = parse_settings(system, temperature, top_p, top_k, max_new, seed, stops)
         except UIError as exc:
-            gr.Warning(exc.message)
-            yield gr.update(), turns, render(turns), error_box(exc.message), gr.update()
+            yield refuse(turns, exc.message)
             return
-        async for shown, bot, err, line in stream_reply(client, turns, settings):
-            yield gr.update(), shown, bot, err, line
+        signal = control.begin(request.session_hash)
+        try:
+            async for shown, bot, err, line in stream_reply(client, turns, settings, signal):
+                yield gr.update(), shown, bot, err, line
+        finally:
+            control.end(request.session_hash, signal)
 
-    def edit_last(turns: list[dict]):
+    def edit_last(turns: list[dict], request: gr.Request):
+        control.stop(request.session_hash, discard=True)
         last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
         if last_user is None:
-            gr.Warning("There is no message to edit yet.")
-            return gr.update(), turns, render(turns), error_box("There is no message to edit yet."), gr.update()
+            return refuse(turns, "There is no message to edit yet.")
         kept = turns[:last_user]
         text = flatten_content(turns[last_user]["content"])
         return text, kept, render(kept), HIDDEN, "Editing your last message: change it and press Send."
 
-    def stopped(turns: list[dict]):
-        turns = [dict(t) for t in turns]
-        if turns and turns[-1]["role"] == "assistant" and "stopped" not in turns[-1].get("stats", ""):
-            turns[-1]["stats"] = (turns[-1].get("stats") or "0 tokens") + " · stopped"
-        return turns, render(turns), "Stopped."
+    def stop_reply(request: gr.Request) -> None:
+        control.stop(request.session_hash)
+
+    def clear_chat(request: gr.Request):
+        control.stop(request.session_hash, discard=True)
+        return [], [], HIDDEN, "", ""
 
     free = {"concurrency_limit": None}  # let tabs chat at once: the engine batches them
-    submitted = message.submit(respond, [message, history, *controls], outputs, **free)
-    clicked = send.click(respond, [message, history, *controls], outputs, **free)
-    regenerated = regenerate.click(regenerate_last, [history, *controls], outputs, **free)
-    running = [submitted, clicked, regenerated]
-    stop.click(stopped, [history], [history, chatbot, stats_line], cancels=running)
-    edit.click(edit_last, [history], outputs, cancels=running)
-    clear.click(lambda: ([], [], HIDDEN, "", ""), None, [history, chatbot, error, stats_line, message],
-                cancels=running)
+    message.submit(respond, [message, history, *controls], outputs, **free)
+    send.click(respond, [message, history, *controls], outputs, **free)
+    regenerate.click(regenerate_last, [history, *controls], outputs, **free)
+    stop.click(stop_reply, None, None, queue=False)
+    edit.click(edit_last, [history], outputs, concurrency_limit=None)
+    clear.click(clear_chat, None, [history, chatbot, error, stats_line, message], queue=False)
     return ChatTab(chatbot, history)

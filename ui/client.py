@@ -86,9 +86,9 @@ class ReplyStats:
         return self.completion_tokens / max(self.elapsed_s, 1e-6)
 
     def describe(self) -> str:
-        parts = [f"{self.completion_tokens} tokens", f"{self.tokens_per_s:.1f} tok/s"]
+        parts = [_count(self.completion_tokens, "token"), f"{self.tokens_per_s:.1f} tok/s"]
         cached = f", {self.cached_tokens} cached" if self.cached_tokens else ""
-        parts.append(f"prompt {self.prompt_tokens} tokens{cached}")
+        parts.append(f"prompt {_count(self.prompt_tokens, 'token')}{cached}")
         if self.first_token_s is not None:
             parts.append(f"first token {self.first_token_s:.2f} s")
         parts.append(f"{self.elapsed_s:.1f} s")
@@ -357,6 +357,10 @@ class EngineClient:
     def server_facts(self) -> ServerFacts:
         return ServerFacts(self.host, self.port, self.api_key_required, self.model_name, self.engine.engine_args,
                            self._stats().get("max_model_len"))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _is_switch(exc: BaseException) -> bool:

@@ -61,7 +61,7 @@ def gptq_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         "qweight": pack_rows(codes.t()),  # [in / 8, out]
         "qzeros": qzeros,
         "scales": scales.to(torch.float16).contiguous(),  # [n_groups, out]
-        "g_idx": g_idx.to(torch.int32).contiguous(),  # [in]
+        "g_idx": g_idx.to(torch.int32).clone(),  # [in]; a fresh tensor per layer (q/k/v share one)
     }
 
 

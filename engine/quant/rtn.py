@@ -74,11 +74,26 @@ def quantize_grouped(weight: torch.Tensor, group_size: int, maxq: int = 15, sym:
     return codes, scale.squeeze(-1).t().contiguous(), zero.squeeze(-1).t().contiguous()
 
 
-def fake_quantize(weight: torch.Tensor, group_size: int, maxq: int = 15, sym: bool = False,
-                  include_zero: bool = False) -> torch.Tensor:
-    """Quantize-dequantize a dense [out, in] weight (AutoAWQ's ``pseudo_quantize_tensor``)."""
-    codes, scales, zeros = quantize_grouped(weight, group_size, maxq, sym, include_zero)
-    return dequantize_dense(codes, scales, zeros, effective_group(group_size, weight.shape[1]))
+def fake_quantize(weight: torch.Tensor, group_size: int, maxq: int = 15) -> torch.Tensor:
+    """Quantize-dequantize a dense [out, in] weight on AutoAWQ's min/max grid (its ``pseudo_quantize_tensor``)."""
+    out_features, in_features = weight.shape
+    g = effective_group(group_size, in_features)
+    grouped = weight.float().reshape(out_features, in_features // g, g)  # [out, n_groups, G]
+    return fake_quantize_groups(grouped, maxq).reshape(out_features, in_features)
+
+
+def fake_quantize_groups(w: torch.Tensor, maxq: int = 15) -> torch.Tensor:
+    """Quantize-dequantize along the last dimension (one group per row of it); float32 in and out.
+
+    The AWQ searches call this hundreds of times per layer, so it takes a few passes over the data:
+    ``clamp(round(w / s), -z, maxq - z) * s`` equals ``(clamp(round(w / s) + z, 0, maxq) - z) * s`` for the
+    integer ``z``. Scales stay float32 here (the float16 rounding of the final codes does not change which
+    scale or clip wins, and converting to float16 is slow on CPUs without F16C).
+    """
+    wmin, wmax = torch.aminmax(w, dim=-1, keepdim=True)
+    scale = (wmax - wmin).clamp_(min=1e-5).div_(maxq)
+    zero = (wmin / scale).round_().neg_().clamp_(0, maxq)
+    return torch.clamp((w / scale).round_(), -zero, maxq - zero).mul_(scale)
 
 
 def dequantize_dense(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

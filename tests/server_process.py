@@ -1,0 +1,57 @@
+"""Start `python app.py serve` on a free port for the server and UI tests, and stop it afterwards."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def launch_server(model_dir: Path, *flags: str, ui: bool = True, startup_timeout: float = 240.0) -> Iterator[str]:
+    """``python app.py serve --model <dir> --port <free> --dtype float32 <flags>``; yields the base URL once
+    /health answers; stops the process afterwards. ``ui=False`` serves the API alone (``--no-ui``: faster
+    start). Shared by the server test modules."""
+    port = _free_port()
+    cmd = [sys.executable, str(ROOT / "app.py"), "serve", "--model", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--log-level", "warning", *([] if ui else ["--no-ui"]), *flags]
+    env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + startup_timeout
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"server did not start: {log.read().decode(errors='replace')[-3000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
