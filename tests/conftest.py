@@ -37,3 +37,12 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def pagoda_home() -> Path:
     return Path(os.environ.get("PAGODA_HOME") or Path.home() / ".cache" / "pagoda")
+
+
+@pytest.fixture(scope="session")
+def awq_model_dir(default_model_dir) -> Path:
+    """The bundled AWQ build of the default model (Pagoda's own quantizer; cached like the fp16 one)."""
+    from engine.catalog import Catalog, fetch
+
+    catalog = Catalog.load()
+    return fetch(catalog.get("smollm2-135m-instruct-awq"), catalog, log=lambda msg: None)

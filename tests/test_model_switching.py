@@ -1,7 +1,8 @@
 """Model switching: requests in flight end (completed or with a clear "model switched" error), nothing leaks, and
 a load that fails leaves the old model serving. In-process AsyncEngine, plus the /v1/models/load|unload routes.
 
-The second model is the default model's files symlinked into another folder (served under that folder's name).
+The switching test goes back and forth between the default fp16 model and its bundled AWQ build; other tests use
+the default model's files symlinked into another folder (served under that folder's name).
 """
 
 from __future__ import annotations
@@ -124,11 +125,11 @@ async def switch_with_requests_in_flight(engine: AsyncEngine, target, num_reques
     return info, results
 
 
-def test_switch_back_and_forth_with_requests_in_flight(engine, default_model_dir, second_model_dir):
+def test_ten_switches_between_fp16_and_awq_with_requests_in_flight(engine, default_model_dir, awq_model_dir):
     process = psutil.Process()
     rss = []
-    for target in (second_model_dir, default_model_dir, second_model_dir):
-        info, results = asyncio.run(switch_with_requests_in_flight(engine, target))
+    for target in [awq_model_dir, default_model_dir] * 5:
+        info, results = asyncio.run(switch_with_requests_in_flight(engine, target, num_requests=2))
         assert info.model == target.name == engine.model_name
         long_results, short_result = results[:-1], results[-1]
         assert all(r == ("switched", f"model switched to {target.name}") for r in long_results), long_results
@@ -138,8 +139,10 @@ def test_switch_back_and_forth_with_requests_in_flight(engine, default_model_dir
         stats = engine.stats()
         assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
         rss.append(process.memory_info().rss)
-    # An old model's weights (540 MB in fp32) are not kept: memory after the third load is near the first's.
-    assert rss[-1] - rss[0] < 250 * 2**20, [r / 2**20 for r in rss]
+    # An old model's weights (540 MB in fp32) are not kept: memory after the tenth load is near the second's
+    # (same model, fp16 default; the first AWQ load is rss[0]).
+    assert rss[-1] - rss[1] < 250 * 2**20, [r / 2**20 for r in rss]
+    assert rss[-2] - rss[0] < 250 * 2**20, [r / 2**20 for r in rss]
 
 
 def test_failed_load_keeps_the_old_model_serving(engine, broken_model_dir, tmp_path):

@@ -95,7 +95,7 @@ def build_blocks(client: EngineClient) -> gr.Blocks:
             status = gr.Markdown(client.model_summary(), elem_id="model-status")
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_page:
-                build_chat_tab(client)
+                build_chat_tab(client, status)
             with gr.Tab("Models", id="models", elem_id="tab-models") as models_page:
                 models = build_models_tab(client, [status])
             with gr.Tab("Dashboard", id="dashboard", elem_id="tab-dashboard") as dashboard_page:

@@ -125,28 +125,34 @@ async def until_stopped(items: AsyncIterator, stop: asyncio.Event) -> AsyncItera
 
 async def stream_reply(client: EngineClient, history: list[dict], settings: ChatSettings,
                        signal: tuple[asyncio.Event, list[bool]]) -> AsyncIterator[tuple]:
-    """Yield (history, chatbot, error, stats line) while the reply to ``history`` streams in."""
+    """Yield (history, chatbot, error, stats line, header status) while the reply to ``history`` streams in.
+
+    The header's model line is refreshed when a reply starts and ends, so a tab notices a model switch made
+    from another tab.
+    """
     stop, discard = signal
     reply = {"role": "assistant", "content": "", "stats": ""}
     shown = [*history, reply]
-    yield shown, render(shown), HIDDEN, "Generating …"
+    yield shown, render(shown), HIDDEN, "Generating …", client.model_summary()
     try:
         async for chunk in until_stopped(client.chat_stream(history, settings), stop):
             reply = {"role": "assistant", "content": chunk.text, "stats": chunk.stats.describe()}
             shown = [*history, reply]
-            yield shown, render(shown), gr.update(), f"**Last reply:** {reply['stats']}"
+            status = client.model_summary() if chunk.finished else gr.update()
+            yield shown, render(shown), gr.update(), f"**Last reply:** {reply['stats']}", status
     except UIError as exc:
         gr.Warning(exc.message)
         kept = shown if reply["content"] else history  # keep a partial reply; drop an empty one
-        yield kept, render(kept), error_box(exc.message), ""
+        yield kept, render(kept), error_box(exc.message), "", client.model_summary()
         return
     if stop.is_set() and not discard[0]:
         reply = {**reply, "stats": (reply["stats"] or "0 tokens") + " · stopped"}
         shown = [*history, reply]
-        yield shown, render(shown), gr.update(), f"**Stopped.** {reply['stats']}"
+        yield shown, render(shown), gr.update(), f"**Stopped.** {reply['stats']}", gr.update()
 
 
-def build_chat_tab(client: EngineClient) -> ChatTab:
+def build_chat_tab(client: EngineClient, status: gr.Markdown) -> ChatTab:
+    """``status`` is the header's model line (refreshed as replies start and end)."""
     history = gr.State([])
     with gr.Row(equal_height=False):
         with gr.Column(scale=4):
@@ -179,13 +185,13 @@ def build_chat_tab(client: EngineClient) -> ChatTab:
                               elem_id="seed")
             stop_seqs = gr.Textbox(label="Stop sequences", info="one per line", lines=2, elem_id="stop-seqs")
     controls = [system, temperature, top_p, top_k, max_tokens, seed, stop_seqs]
-    outputs = [message, history, chatbot, error, stats_line]
+    outputs = [message, history, chatbot, error, stats_line, status]
 
     control = ReplyControl()
 
     def refuse(turns: list[dict], message: str) -> tuple:
         gr.Warning(message)
-        return gr.update(), turns, render(turns), error_box(message), gr.update()
+        return gr.update(), turns, render(turns), error_box(message), gr.update(), gr.update()
 
     async def respond(text: str, turns: list[dict], system: str, temperature: float, top_p: float, top_k: float,
                       max_new: float, seed: str, stops: str, request: gr.Request):
@@ -201,8 +207,8 @@ def build_chat_tab(client: EngineClient) -> ChatTab:
         asked = [*turns, {"role": "user", "content": text}]
         signal = control.begin(request.session_hash)
         try:
-            async for shown, bot, err, line in stream_reply(client, asked, settings, signal):
-                yield "", shown, bot, err, line
+            async for update in stream_reply(client, asked, settings, signal):
+                yield "", *update
         finally:
             control.end(request.session_hash, signal)
 
@@ -221,8 +227,8 @@ def build_chat_tab(client: EngineClient) -> ChatTab:
             return
         signal = control.begin(request.session_hash)
         try:
-            async for shown, bot, err, line in stream_reply(client, turns, settings, signal):
-                yield gr.update(), shown, bot, err, line
+            async for update in stream_reply(client, turns, settings, signal):
+                yield gr.update(), *update
         finally:
             control.end(request.session_hash, signal)
 
@@ -233,7 +239,8 @@ def build_chat_tab(client: EngineClient) -> ChatTab:
             return refuse(turns, "There is no message to edit yet.")
         kept = turns[:last_user]
         text = flatten_content(turns[last_user]["content"])
-        return text, kept, render(kept), HIDDEN, "Editing your last message: change it and press Send."
+        return text, kept, render(kept), HIDDEN, "Editing your last message: change it and press Send.", \
+            gr.update()
 
     def stop_reply(request: gr.Request) -> None:
         control.stop(request.session_hash)

@@ -159,7 +159,7 @@ def pack_nibbles(nibbles: torch.Tensor, dim: int) -> torch.Tensor:
     Plain int32 shifts and ors: an int64 round trip would need 2x the memory of the codes on a 7B model.
     """
     nibbles = nibbles.to(torch.int32)
-    packed = nibbles.select(dim, 0).clone()
+    packed = nibbles.select(dim, 0).clone(memory_format=torch.contiguous_format)
     for i in range(1, 8):
         packed |= nibbles.select(dim, i) << _SHIFTS[i]
     return packed
