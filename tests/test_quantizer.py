@@ -195,3 +195,97 @@ def test_bad_quantizer_arguments_are_refused(default_model_dir, tmp_path, kwargs
     with pytest.raises(EngineError) as info:
         quantize_model(default_model_dir, tmp_path / "out", group_size=64, log=lambda s: None, **kwargs)
     assert info.value.param == param
+
+
+# ---------------------------------------------------------------- algorithm properties (fast, synthetic)
+
+def test_clip_search_picks_what_autoawqs_direct_search_picks():
+    """Our Gram-matrix clip search against AutoAWQ's _compute_best_clip loop, transcribed here."""
+    from engine.quant.awq_search import search_clip
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=gen) * 0.05
+    weight[:, 5] *= 8  # an outlier column makes clipping worthwhile
+    inputs = torch.randn(300, 128, generator=gen)
+
+    def pseudo_quantize(w):  # AutoAWQ zero-point pseudo_quantize_tensor, group 32
+        shape = w.shape
+        w = w.reshape(-1, 32)
+        max_val, min_val = w.amax(dim=1, keepdim=True), w.amin(dim=1, keepdim=True)
+        scales = (max_val - min_val).clamp(min=1e-5) / 15
+        zeros = (-torch.round(min_val / scales)).clamp_(0, 15)
+        return ((torch.clamp(torch.round(w / scales) + zeros, 0, 15) - zeros) * scales).reshape(shape)
+
+    w = weight.reshape(64, 1, -1, 32)
+    x = inputs.reshape(1, 300, -1, 32)
+    org_out = (x * w).sum(dim=-1)
+    org_max = w.abs().amax(dim=-1, keepdim=True)
+    best_max, min_errs = org_max.clone(), torch.ones_like(org_max) * 1e9
+    for i_s in range(10):
+        max_val = org_max * (1 - i_s / 20)
+        cur_out = (x * pseudo_quantize(torch.clamp(w, -max_val, max_val))).sum(dim=-1)
+        err = (cur_out - org_out).pow(2).mean(dim=1).view(min_errs.shape)
+        better = err < min_errs
+        min_errs[better], best_max[better] = err[better], max_val[better]
+    expected = best_max.squeeze(1).squeeze(-1)  # [out, n_groups]
+    got = search_clip(weight, inputs, 32)
+    assert (got == expected).float().mean() > 0.98  # ties within float noise may differ
+    assert (got < weight.reshape(64, -1, 32).abs().amax(-1)).any()
+
+
+def test_awq_scale_folding_keeps_the_full_precision_layer_unchanged():
+    """apply_scales folds 1/s into the producer (norm, v_proj with GQA ties, up_proj) without changing outputs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.quant.awq_search import ScaleGroup, apply_scales
+    from engine.quant.quantizer import _v_channel_of_o_input
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=100)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norms
+            p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        before = model(ids).logits
+        layer = model.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        tie = _v_channel_of_o_input(attn, attn.v_proj, attn.o_proj)
+        assert tie is not None and tie.numel() == 64 and int(tie.max()) == 31
+        dummy = torch.zeros(1, 1, 64)
+        groups = [ScaleGroup(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], None, dummy),
+                  ScaleGroup(attn.v_proj, [attn.o_proj], None, dummy, tie),
+                  ScaleGroup(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], None, dummy),
+                  ScaleGroup(mlp.up_proj, [mlp.down_proj], None, torch.zeros(1, 1, 128))]
+        for group in groups:
+            scales = torch.rand(group.inputs.shape[-1]) + 0.5
+            if group.prev_channel is not None:
+                scales = scales[group.prev_channel]  # tied channels share a scale
+            apply_scales(group, scales)
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_gptq_error_compensation_beats_rounding_on_correlated_inputs():
+    """On inputs with correlated features, GPTQ's output error is below round-to-nearest's."""
+    from engine.quant.gptq_solver import GPTQConfig, HessianAccumulator, gptq_quantize
+    from engine.quant.rtn import quantize_grouped
+
+    gen = torch.Generator().manual_seed(0)
+    mixing = torch.randn(128, 128, generator=gen) / 8
+    inputs = torch.randn(2048, 128, generator=gen) @ mixing + torch.randn(2048, 128, generator=gen) * 0.1
+    weight = torch.randn(96, 128, generator=gen) * 0.05
+    acc = HessianAccumulator(128, "cpu")
+    acc.add(inputs)
+    reference = inputs @ weight.t()
+    codes, scales, zeros = quantize_grouped(weight, 32, include_zero=True)
+    groups = torch.arange(128) // 32
+    rtn = (codes - zeros[groups].t()) * scales[groups].t()
+    for desc_act in (False, True):
+        result = gptq_quantize(weight, acc.hessian, GPTQConfig(group_size=32, desc_act=desc_act))
+        gptq_error = (inputs @ result.dequantize().t() - reference).pow(2).mean()
+        rtn_error = (inputs @ rtn.t() - reference).pow(2).mean()
+        assert gptq_error < 0.7 * rtn_error, (desc_act, float(gptq_error), float(rtn_error))
+        assert torch.equal(torch.bincount(result.g_idx.long()), torch.full((4,), 32))

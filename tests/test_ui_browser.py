@@ -285,6 +285,7 @@ def test_bad_inputs_show_readable_messages(page):
     set_number(page, "seed", "not-a-number")
     send(page, "Hello")
     page.wait_for_function("document.querySelector('#chat-error').innerText.includes('seed')")
+    screenshot(page, "chat-bad-input")
     set_number(page, "seed", "")
 
     go_to(page, "Models")

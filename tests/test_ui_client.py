@@ -19,8 +19,7 @@ from fake_hub import FakeHub
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
-from ui.client import ChatSettings, EngineClient, UIError, chat_messages
-from ui.dashboard_tab import memory_segments
+from ui.client import ChatSettings, EngineClient, UIError, chat_messages, memory_segments
 from ui.model_manager import ModelManager
 from ui.server_tab import command_line, server_info, snippets
 

@@ -26,8 +26,9 @@ CSS = """
 .brand-sub { color: var(--body-text-color-subdued); font-size: 0.88rem; }
 #model-status { text-align: right; }
 #models-table *, #dash-requests * { font-family: var(--font) !important; }
-#server-settings table { font-size: 0.85rem; }
-#server-settings td, #server-settings th { padding: 3px 10px !important; }
+#server-settings table { font-size: 0.85rem; border-collapse: collapse; }
+#server-settings td, #server-settings th { padding: 3px 10px !important;
+                                           border: 1px solid var(--border-color-primary) !important; }
 #model-status p { display: inline-block; padding: 6px 12px; border-radius: 999px;
                   background: var(--background-fill-secondary); border: 1px solid var(--border-color-primary); }
 .model-line p { margin: 0 0 4px; color: var(--body-text-color-subdued); }
@@ -35,9 +36,6 @@ CSS = """
 .side-panel h3 { margin-top: 0; }
 .reply-stats { display: block; margin-top: 6px; font-size: 0.78em; color: var(--body-text-color-subdued); }
 .stats-line p { font-size: 0.85rem; color: var(--body-text-color-subdued); margin: 0; }
-.pagoda-error { border: 1px solid #f5c2c7; background: #fff5f5; color: #842029; border-radius: 8px;
-                padding: 6px 12px !important; }
-.pagoda-error p { margin: 0; }
 .note { border-radius: 8px; padding: 8px 12px; font-size: 0.95rem; }
 .note-ok { border: 1px solid #badbcc; background: #f3faf6; color: #0f5132; }
 .note-error { border: 1px solid #f5c2c7; background: #fff5f5; color: #842029; }
@@ -91,8 +89,8 @@ def build_blocks(client: EngineClient) -> gr.Blocks:
     """The whole UI. Theme and CSS are applied where it is mounted (Gradio 6 takes them at mount/launch)."""
     with gr.Blocks(title=TITLE, fill_width=True, analytics_enabled=False) as demo:  # no telemetry: a local app
         with gr.Row(elem_id="pagoda-header", equal_height=True):
-            gr.HTML(LOGO, elem_id="pagoda-title")
-            status = gr.Markdown(client.model_summary(), elem_id="model-status")
+            gr.HTML(LOGO, elem_id="pagoda-title", scale=3)
+            status = gr.Markdown(client.model_summary, elem_id="model-status", scale=2)  # fresh per page load
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_page:
                 build_chat_tab(client, status)

@@ -20,7 +20,6 @@ from engine.tokenizer import flatten_content
 from ui.client import ChatSettings, EngineClient, UIError
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful, concise assistant."
-HIDDEN = gr.update(visible=False, value="")
 
 
 @dataclass
@@ -44,8 +43,12 @@ def render(history: list[dict]) -> list[dict]:
     return messages
 
 
+def hidden() -> dict:
+    return gr.update(visible=False, value="")
+
+
 def error_box(message: str) -> dict:
-    return gr.update(visible=True, value=f"⚠ {message}")
+    return gr.update(visible=True, value=f"<div class='note note-error' role='alert'>⚠ {html.escape(message)}</div>")
 
 
 def parse_seed(text: str | None) -> int | None:
@@ -62,8 +65,8 @@ def parse_settings(system: str, temperature: float, top_p: float, top_k: float, 
     """The controls' values as ChatSettings; UIError for values the sampler would refuse."""
     if not 0 < float(top_p) <= 1:
         raise UIError("Top-p must be in (0, 1].")
-    stops = tuple(s.encode().decode("unicode_escape") if "\\" in s else s
-                  for s in (stop or "").splitlines() if s.strip())
+    # one per line; a typed "\n" or "\t" stands for a newline / tab (a stop on "\n\n" ends at a blank line)
+    stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in (stop or "").splitlines() if s.strip())
     return ChatSettings(system_prompt=system or "", temperature=float(temperature), top_p=float(top_p),
                         top_k=int(top_k or 0), max_tokens=max(1, int(max_tokens or 1)),
                         seed=parse_seed(seed), stop=stops)
@@ -133,7 +136,7 @@ async def stream_reply(client: EngineClient, history: list[dict], settings: Chat
     stop, discard = signal
     reply = {"role": "assistant", "content": "", "stats": ""}
     shown = [*history, reply]
-    yield shown, render(shown), HIDDEN, "Generating …", client.model_summary()
+    yield shown, render(shown), hidden(), "Generating …", client.model_summary()
     try:
         async for chunk in until_stopped(client.chat_stream(history, settings), stop):
             reply = {"role": "assistant", "content": chunk.text, "stats": chunk.stats.describe()}
@@ -160,7 +163,7 @@ def build_chat_tab(client: EngineClient, status: gr.Markdown) -> ChatTab:
                                  placeholder="**Start a conversation.** Replies stream token by token; the "
                                              "line under each reply shows its token counts and speed.",
                                  feedback_options=None, group_consecutive_messages=False)
-            error = gr.Markdown(visible=False, elem_id="chat-error", elem_classes=["pagoda-error"])
+            error = gr.HTML(visible=False, elem_id="chat-error")
             with gr.Row(equal_height=True):
                 message = gr.Textbox(show_label=False, lines=1, max_lines=10, scale=8, elem_id="chat-input",
                                      placeholder="Message the model …  (Enter sends, Shift+Enter adds a line)",
@@ -239,7 +242,7 @@ def build_chat_tab(client: EngineClient, status: gr.Markdown) -> ChatTab:
             return refuse(turns, "There is no message to edit yet.")
         kept = turns[:last_user]
         text = flatten_content(turns[last_user]["content"])
-        return text, kept, render(kept), HIDDEN, "Editing your last message: change it and press Send.", \
+        return text, kept, render(kept), hidden(), "Editing your last message: change it and press Send.", \
             gr.update()
 
     def stop_reply(request: gr.Request) -> None:
@@ -247,13 +250,15 @@ def build_chat_tab(client: EngineClient, status: gr.Markdown) -> ChatTab:
 
     def clear_chat(request: gr.Request):
         control.stop(request.session_hash, discard=True)
-        return [], [], HIDDEN, "", ""
+        return [], [], hidden(), "", ""
 
-    free = {"concurrency_limit": None}  # let tabs chat at once: the engine batches them
+    # no Gradio concurrency limit: tabs chatting at once reach the engine together and are batched there;
+    # no loading overlays: the stats line says "Generating …" and the reply itself streams in
+    free = {"concurrency_limit": None, "show_progress": "hidden"}
     message.submit(respond, [message, history, *controls], outputs, **free)
     send.click(respond, [message, history, *controls], outputs, **free)
     regenerate.click(regenerate_last, [history, *controls], outputs, **free)
     stop.click(stop_reply, None, None, queue=False)
-    edit.click(edit_last, [history], outputs, concurrency_limit=None)
+    edit.click(edit_last, [history], outputs, **free)
     clear.click(clear_chat, None, [history, chatbot, error, stats_line, message], queue=False)
     return ChatTab(chatbot, history)

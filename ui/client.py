@@ -153,6 +153,28 @@ class DashboardSnapshot:
     taken_at: float = field(default_factory=time.time)
 
 
+def memory_segments(memory: dict, device: str) -> dict[str, int]:
+    """Bytes per segment; they add up to the device's (or, on CPU, the system's) total memory.
+
+    On a GPU, used = ours (weights, KV, activations) + allocator cache and CUDA context + other processes; the
+    activation reserve is clamped to what is really in use (an emptied allocator cache gives it back).
+    """
+    weights, kv_alloc = memory["weights"], memory["kv_allocated"]
+    kv_used = min(memory["kv_in_use"], kv_alloc)
+    activations = memory["activation_reserve"] + memory.get("cuda_graph_pool", 0)
+    if device == "cuda":
+        used = memory["device_used"]
+        activations = min(activations, max(used - weights - kv_alloc, 0))
+        ours = weights + kv_alloc + activations
+        other = min(memory["other_processes"], max(used - ours, 0))
+        ours_other = max(used - ours - other, 0)
+    else:  # used = this process (RSS) + other processes
+        ours_other = max(memory["process_rss"] - weights - kv_alloc - activations, 0)
+        other = memory["other_processes"]
+    return {"weights": weights, "kv_in_use": kv_used, "kv_free": kv_alloc - kv_used, "activations": activations,
+            "ours_other": ours_other, "other_processes": other, "free": memory["device_free"]}
+
+
 class ThroughputSampler:
     """A daemon thread that turns the engine's cumulative token counters into tokens/s once a second.
 

@@ -16,7 +16,7 @@ import gradio as gr
 import pandas as pd
 
 from engine.fit import format_bytes as _format_bytes
-from ui.client import DashboardSnapshot, EngineClient
+from ui.client import DashboardSnapshot, EngineClient, memory_segments
 
 PLOT_SECONDS = 300
 REQUEST_HEADERS = ["Request", "State", "Prompt tokens", "Output tokens", "Cached tokens", "KV blocks", "Preemptions"]
@@ -35,28 +35,6 @@ class DashboardTab:
     timer: gr.Timer
     outputs: list
     refresh: Callable[[], tuple]
-
-
-def memory_segments(memory: dict, device: str) -> dict[str, int]:
-    """Bytes per segment; they add up to the device's (or, on CPU, the system's) total memory.
-
-    On a GPU, used = ours (weights, KV, activations) + allocator cache and CUDA context + other processes; the
-    activation reserve is clamped to what is really in use (an emptied allocator cache gives it back).
-    """
-    weights, kv_alloc = memory["weights"], memory["kv_allocated"]
-    kv_used = min(memory["kv_in_use"], kv_alloc)
-    activations = memory["activation_reserve"] + memory.get("cuda_graph_pool", 0)
-    if device == "cuda":
-        used = memory["device_used"]
-        activations = min(activations, max(used - weights - kv_alloc, 0))
-        ours = weights + kv_alloc + activations
-        other = min(memory["other_processes"], max(used - ours, 0))
-        ours_other = max(used - ours - other, 0)
-    else:  # used = this process (RSS) + other processes
-        ours_other = max(memory["process_rss"] - weights - kv_alloc - activations, 0)
-        other = memory["other_processes"]
-    return {"weights": weights, "kv_in_use": kv_used, "kv_free": kv_alloc - kv_used, "activations": activations,
-            "ours_other": ours_other, "other_processes": other, "free": memory["device_free"]}
 
 
 def _bar(parts: dict[str, int], keys: tuple[str, ...], total: int, elem_id: str) -> str:

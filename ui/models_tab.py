@@ -246,9 +246,11 @@ def build_models_tab(client: EngineClient, status_lines: list[gr.Markdown]) -> M
     table.select(pick_row, None, [choice, details], queue=False)
     choice.change(describe, [choice], [details], queue=False)
     model_ops = {"concurrency_limit": 1, "concurrency_id": "model-ops"}
-    download.click(start_download, [choice, token], [progress, result, *listing], concurrency_limit=None)
-    cancel.click(cancel_download, [choice], [result], queue=False)
-    load.click(load_model, [choice, max_len], [progress, result, *listing, *status_lines], **model_ops)
-    unload.click(unload_model, [choice], [progress, result, *listing, *status_lines], **model_ops)
-    add.click(add_model, [reference, token, choice], [result, reference, *listing], concurrency_limit=4)
+    quiet = {"show_progress": "hidden"}  # these draw their own progress bar
+    download.click(start_download, [choice, token], [progress, result, *listing], concurrency_limit=None, **quiet)
+    cancel.click(cancel_download, [choice], [result], **quiet)
+    load.click(load_model, [choice, max_len], [progress, result, *listing, *status_lines], **model_ops, **quiet)
+    unload.click(unload_model, [choice], [progress, result, *listing, *status_lines], **model_ops, **quiet)
+    add.click(add_model, [reference, token, choice], [result, reference, *listing], concurrency_limit=4,
+              show_progress="minimal")
     return ModelsTab(table, choice, budget)

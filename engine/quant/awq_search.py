@@ -32,14 +32,29 @@ class ScaleGroup:
     linears: list[nn.Linear]
     inspect: Callable[[torch.Tensor], torch.Tensor]  # input [..., in] -> block output compared in the search
     inputs: torch.Tensor  # [..., in] full-precision calibration inputs of ``linears``
+    prev_channel: torch.Tensor | None = None  # [in] output channel of ``prev`` behind each input (GQA), or None
+
+
+def tie_channels(values: torch.Tensor, prev_channel: torch.Tensor | None) -> torch.Tensor:
+    """Average ``values`` [in] over inputs fed by the same ``prev`` channel, so they get one scale.
+
+    With grouped-query attention o_proj's input holds each v_proj output channel once per query head of
+    its group; v_proj's row can only be divided by one number, so those o_proj columns share a scale.
+    """
+    if prev_channel is None:
+        return values
+    size = int(prev_channel.max()) + 1
+    sums = torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, prev_channel, values)
+    counts = torch.bincount(prev_channel, minlength=size).to(values.dtype)
+    return (sums / counts)[prev_channel]
 
 
 @torch.no_grad()
 def search_scales(group: ScaleGroup, group_size: int, n_grid: int = 20, duo_scaling: bool = True) -> torch.Tensor:
     """The best per-input-channel scales [in] for ``group``; the layers are left as they were."""
     x = group.inputs
-    x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(dim=0)  # [in]
-    w_mean = _relative_weight_mean(group.linears, group_size)  # [in]
+    x_mean = tie_channels(x.abs().reshape(-1, x.shape[-1]).float().mean(dim=0), group.prev_channel)  # [in]
+    w_mean = tie_channels(_relative_weight_mean(group.linears, group_size), group.prev_channel)  # [in]
     reference = group.inspect(x)
     originals = [fc.weight.data.clone() for fc in group.linears]
     best_scales, best_loss = torch.ones_like(x_mean), float("inf")
@@ -75,10 +90,14 @@ def apply_scales(group: ScaleGroup, scales: torch.Tensor) -> None:
     """Fold ``1/scales`` into ``prev`` and ``scales`` into the linears; divide the cached inputs too."""
     prev = group.prev
     if isinstance(prev, nn.Linear):
+        prev_scales = scales
+        if group.prev_channel is not None:  # tied inputs carry equal scales: one per prev output channel
+            prev_scales = torch.ones(int(group.prev_channel.max()) + 1, dtype=scales.dtype, device=scales.device)
+            prev_scales[group.prev_channel] = scales
         rows = prev.weight.shape[0]
-        prev.weight.data[rows - scales.numel():] /= scales[:, None]
+        prev.weight.data[rows - prev_scales.numel():] /= prev_scales[:, None]
         if prev.bias is not None:
-            prev.bias.data[rows - scales.numel():] /= scales
+            prev.bias.data[rows - prev_scales.numel():] /= prev_scales
     else:
         prev.weight.data /= scales
         if getattr(prev, "bias", None) is not None:

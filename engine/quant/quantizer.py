@@ -18,9 +18,10 @@ import json
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -61,6 +62,7 @@ class QuantizeOptions:
     n_grid: int = 20
     duo_scaling: bool = True
     clip: bool = True
+    cpu_threads: int = 1
 
     def quant_method(self) -> QuantMethod:
         if self.method == "gptq":
@@ -88,7 +90,7 @@ def quantize_model(src_dir: Path | str, out_dir: Path | str, method: str, group_
     ``method``: 'awq' (AutoAWQ GEMM output), 'gptq' (AutoGPTQ v1 output; ``desc_act`` and ``sym`` apply) or
     'rtn' (plain round-to-nearest, AWQ layout). Calibration uses ``num_samples`` windows of ``seq_len``
     tokens of ``calibration_path`` (default: data/calibration.txt). Extra keyword ``options`` go to
-    ``QuantizeOptions`` (n_grid, clip, duo_scaling, damp_percent). Returns ``out_dir``.
+    ``QuantizeOptions`` (n_grid, clip, duo_scaling, damp_percent, cpu_threads). Returns ``out_dir``.
     """
     opts = _validate_options(method, group_size, bits, sym, desc_act, options)
     src_dir, out_dir = Path(src_dir), Path(out_dir)
@@ -96,18 +98,39 @@ def quantize_model(src_dir: Path | str, out_dir: Path | str, method: str, group_
     _check_group_size_against_config(config, opts.group_size)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
-    model, tokenizer = _load_model(src_dir)
-    layers, layers_prefix = _decoder_layers(model)
-    _check_shapes(layers, opts.group_size)
-    log(f"quantizing {src_dir.name} with {opts.method} (group_size {opts.group_size}, {len(layers)} layers) on {dev}")
-    if opts.method == "rtn":
-        results = _quantize_rtn(layers, layers_prefix, opts)
-    else:
-        ids = calibration_batch(tokenizer, calibration_path, num_samples, seq_len, log)
-        results = _quantize_sequential(model, layers, layers_prefix, ids, opts, dev, log)
-    target = _write_checkpoint(model, src_dir, out_dir, config, results, opts)
+    with _cpu_threads(opts.cpu_threads if dev.type == "cpu" else None):
+        model, tokenizer = _load_model(src_dir)
+        layers, layers_prefix = _decoder_layers(model)
+        _check_shapes(layers, opts.group_size)
+        log(f"quantizing {src_dir.name} with {opts.method} (group_size {opts.group_size}, {len(layers)} layers) "
+            f"on {dev}")
+        if opts.method == "rtn":
+            results = _quantize_rtn(layers, layers_prefix, opts)
+        else:
+            ids = calibration_batch(tokenizer, calibration_path, num_samples, seq_len, log)
+            results = _quantize_sequential(model, layers, layers_prefix, ids, opts, dev, log)
+        target = _write_checkpoint(model, src_dir, out_dir, config, results, opts)
     log(f"wrote {target} in {time.perf_counter() - started:.1f}s")
     return target
+
+
+@contextmanager
+def _cpu_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``threads`` intra-op threads (None: leave torch's setting), restoring it afterwards.
+
+    The quantizer's CPU work is many medium-sized ops; on the 2-core CI box with other work running,
+    one thread quantized the default model with AWQ in 85 s and two threads took 378 s (OpenMP hand-offs
+    stall when a core is busy elsewhere). ``cpu_threads`` raises it on machines with cores to spare.
+    """
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _validate_options(method: str, group_size: int, bits: int, sym: bool, desc_act: bool,
@@ -122,7 +145,7 @@ def _validate_options(method: str, group_size: int, bits: int, sym: bool, desc_a
     if method != "gptq" and (sym or desc_act):
         raise EngineError(f"sym and desc_act are GPTQ options; {method} writes zero-point AWQ GEMM weights",
                           param="sym" if sym else "desc_act")
-    unknown = set(options) - {"damp_percent", "n_grid", "duo_scaling", "clip"}
+    unknown = set(options) - {"damp_percent", "n_grid", "duo_scaling", "clip", "cpu_threads"}
     if unknown:
         raise EngineError(f"unknown quantizer option(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     return QuantizeOptions(method, group_size, bits, sym, desc_act, **options)
@@ -287,8 +310,10 @@ def _awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
 
     groups = {"qkv": ScaleGroup(layer.input_layernorm, [m[n] for n in QKV],
                                 lambda x: attn(hidden_states=x, **kwargs)[0], x_attn)}
-    if m["self_attn.v_proj"].weight.shape == m["self_attn.o_proj"].weight.shape:
-        groups["o"] = ScaleGroup(m["self_attn.v_proj"], [m["self_attn.o_proj"]], m["self_attn.o_proj"], o_in)
+    v_to_o = _v_channel_of_o_input(attn, m["self_attn.v_proj"], m["self_attn.o_proj"])
+    if v_to_o is not None:
+        groups["o"] = ScaleGroup(m["self_attn.v_proj"], [m["self_attn.o_proj"]], m["self_attn.o_proj"], o_in,
+                                 None if v_to_o.numel() == m["self_attn.v_proj"].out_features else v_to_o)
     groups["gate_up"] = ScaleGroup(layer.post_attention_layernorm, [m[n] for n in GATE_UP], mlp, x_mlp)
     groups["down"] = ScaleGroup(m["mlp.up_proj"], [m["mlp.down_proj"]], m["mlp.down_proj"], down_in)
     scales = {key: search_scales(g, opts.group_size, opts.n_grid, opts.duo_scaling) for key, g in groups.items()}
@@ -309,6 +334,24 @@ def _awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
         m[name].weight.data = dequantize_dense(codes, q_scales, q_zeros,
                                                effective_group(opts.group_size, codes.shape[1]))
     return results, layer(hidden, **kwargs)
+
+
+def _v_channel_of_o_input(attn: nn.Module, v_proj: nn.Linear, o_proj: nn.Linear) -> torch.Tensor | None:
+    """For each o_proj input channel, the v_proj output channel it carries (None if not a plain head copy).
+
+    Without GQA that is the identity (AutoAWQ's v_proj -> o_proj scaling). With GQA, query head ``h``
+    reads kv head ``h // n_rep``, so o_proj channel ``h * head_dim + d`` carries v channel
+    ``(h // n_rep) * head_dim + d``; AutoAWQ skips such layers, we tie their scales instead.
+    """
+    head_dim = getattr(attn, "head_dim", None)
+    if not head_dim or o_proj.in_features % head_dim or v_proj.out_features % head_dim:
+        return None
+    num_heads, num_kv_heads = o_proj.in_features // head_dim, v_proj.out_features // head_dim
+    if num_heads % num_kv_heads:
+        return None
+    channel = torch.arange(o_proj.in_features, device=o_proj.weight.device)
+    head, dim = channel // head_dim, channel % head_dim
+    return (head // (num_heads // num_kv_heads)) * head_dim + dim
 
 
 def _gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
