@@ -46,3 +46,12 @@ def awq_model_dir(default_model_dir) -> Path:
 
     catalog = Catalog.load()
     return fetch(catalog.get("smollm2-135m-instruct-awq"), catalog, log=lambda msg: None)
+
+
+@pytest.fixture(scope="session")
+def gptq_model_dir(default_model_dir) -> Path:
+    """The bundled GPTQ build of the default model."""
+    from engine.catalog import Catalog, fetch
+
+    catalog = Catalog.load()
+    return fetch(catalog.get("smollm2-135m-instruct-gptq"), catalog, log=lambda msg: None)

@@ -86,12 +86,12 @@ def autogptq_pack(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 # ---------------------------------------------------------------- test data: codes -> float weight
 
-def random_quantized(group_size: int, sym: bool, min_zero: int, seed: int):
+def random_quantized(group_size: int, sym: bool, min_zero: int, seed: int, in_features: int = IN_FEATURES):
     """codes [out, in], zeros and fp16-exact scales [n_groups, out], and the float weight they stand for."""
     gen = torch.Generator().manual_seed(seed)
-    g = IN_FEATURES if group_size == -1 else group_size
-    n_groups = IN_FEATURES // g
-    codes = torch.randint(0, 16, (OUT_FEATURES, IN_FEATURES), generator=gen)
+    g = in_features if group_size == -1 else group_size
+    n_groups = -(-in_features // g)
+    codes = torch.randint(0, 16, (OUT_FEATURES, in_features), generator=gen)
     if sym:
         zeros = torch.full((n_groups, OUT_FEATURES), 8)
     else:
@@ -106,18 +106,21 @@ def dense_from_codes(codes, zeros, scales, g_idx, dtype) -> torch.Tensor:
     return (codes.t().to(dtype) - zeros[groups].to(dtype)) * scales.half()[groups].to(dtype)
 
 
-def load(config: dict, tensors: dict, dtype: torch.dtype, tmp_path, prefix: str = PREFIX):
+def load(config: dict, tensors: dict, dtype: torch.dtype, tmp_path, prefix: str = PREFIX,
+         in_features: int = IN_FEATURES):
     method = get_quant_method(tmp_path, {"quantization_config": config})
     named = {f"{prefix}.{k}": v for k, v in tensors.items()}
-    return method.load_linear(named.get, prefix, IN_FEATURES, OUT_FEATURES, dtype)
+    return method.load_linear(named.get, prefix, in_features, OUT_FEATURES, dtype)
 
 
 def check_exact(packed, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    in_features = expected.shape[0]
+    assert in_features % packed.group_size == 0  # the kernels' contract: whole groups
     got = dequantize_int4(packed.qweight, packed.scales, packed.zeros, packed.group_size)  # [in, out], permuted rows
-    rows = packed.perm if packed.perm is not None else torch.arange(IN_FEATURES)
+    rows = packed.perm if packed.perm is not None else torch.arange(in_features)
     assert packed.scales.dtype == dtype and packed.zeros.dtype == dtype
     assert torch.equal(got, expected[rows])
-    x = torch.randn(5, IN_FEATURES, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
     y = w4a16_matmul(x, packed.qweight, packed.scales, packed.zeros, packed.group_size, packed.perm)
     torch.testing.assert_close(y.float(), (x.float() @ expected.float()), rtol=2e-2, atol=2e-2)
 
@@ -160,6 +163,22 @@ def test_autogptq_checkpoint_dequantizes_bit_exactly(group_size, sym, fmt, act_o
     else:
         assert packed.perm is None
     check_exact(packed, dense_from_codes(codes, zeros, scales, g_idx, dtype), dtype)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_autogptq_last_partial_group_loads_bit_exactly(act_order, tmp_path):
+    """AutoGPTQ allows in % group_size != 0 (ceil(in / G) groups): 320 inputs, group 128 -> 128 + 128 + 64."""
+    in_features = 320
+    codes, zeros, scales, g = random_quantized(128, False, 1, seed=21, in_features=in_features)
+    assert zeros.shape[0] == 3
+    g_idx = torch.arange(in_features) // g
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_features, generator=torch.Generator().manual_seed(4))]
+    weight = ((codes - zeros[g_idx].t()) * scales[g_idx].t()).float()
+    tensors = autogptq_pack(weight, scales.t(), zeros.t().float(), g_idx, v1=True)
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": act_order, "sym": False}
+    packed = load(config, tensors, torch.float16, tmp_path, in_features=in_features)
+    check_exact(packed, dense_from_codes(codes, zeros, scales, g_idx, torch.float16), torch.float16)
 
 
 def test_gptq_v1_zero_point_of_zero_round_trips_as_gptqmodel_converts_it(tmp_path):

@@ -77,6 +77,21 @@ class Linear:
         self.parts = parts
         self.bias = bias
         self.backend = backend
+        self._dense: dict[int, torch.Tensor] = {}  # CPU only: part index -> dequantized [out, in] weight
+
+    def _dense_for_cpu(self, index: int, weight: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
+        """The CPU has no int4 matmul kernel: dequantizing every step made a 135M model decode at ~1 tok/s.
+        On the torch reference path we dequantize each packed weight once (bit-exact, kernels/reference.py)
+        and keep it dense; GPU paths keep weights packed and run the W4A16 kernel."""
+        if index not in self._dense:
+            from kernels.reference import dequantize_int4
+
+            dense = dequantize_int4(weight.qweight, weight.scales.to(dtype), weight.zeros.to(dtype),
+                                    weight.group_size)  # [in, out] in kernel row order
+            if weight.perm is not None:  # y = x[:, perm] @ W  ==  x @ W' with W'[perm[k]] = W[k]
+                dense = torch.zeros_like(dense).index_copy_(0, weight.perm.long(), dense)
+            self._dense[index] = dense.t().contiguous()  # [out, in] for F.linear
+        return self._dense[index]
 
     @property
     def out_features(self) -> int:
@@ -86,14 +101,16 @@ class Linear:
         total = sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes() for p in self.parts)
         return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
-    def _apply(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    def _apply(self, index: int, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return torch.nn.functional.linear(x, weight)
+        if not self.backend.use_triton and x.device.type == "cpu":
+            return torch.nn.functional.linear(x, self._dense_for_cpu(index, weight, x.dtype))
         return self.backend.w4a16_matmul(x, weight.qweight, weight.scales, weight.zeros, weight.group_size,
                                          weight.perm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        outs = [self._apply(x, w) for w in self.parts]
+        outs = [self._apply(i, x, w) for i, w in enumerate(self.parts)]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias

@@ -9,4 +9,4 @@ entries, ``build_bundled_quantized(base_dir, out_dir, method)``.
 from engine.quant.formats import QuantMethod, get_quant_method
 from engine.quant.quantizer import build_bundled_quantized, quantize_model
 
-__all__ = ["QuantMethod", "get_quant_method", "quantize_model", "build_bundled_quantized"]
+__all__ = ["QuantMethod", "build_bundled_quantized", "get_quant_method", "quantize_model"]

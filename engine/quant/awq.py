@@ -19,8 +19,19 @@ from typing import Any
 import torch
 
 from engine.layers.linear import PackedInt4
-from engine.quant.formats import (SCALE_DTYPES, GetTensor, QuantMethod, check_divisible, config_value, fetch,
-                                  pack_nibbles, pack_rows, require_bits, require_group_size, unpack_nibbles)
+from engine.quant.formats import (
+    SCALE_DTYPES,
+    GetTensor,
+    QuantMethod,
+    check_divisible,
+    config_value,
+    fetch,
+    pack_nibbles,
+    pack_rows,
+    require_bits,
+    require_group_size,
+    unpack_nibbles,
+)
 from engine.request import EngineError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds column 8c + AWQ_ORDER[i]
@@ -59,7 +70,7 @@ class AWQMethod(QuantMethod):
     name = "awq"
 
     @classmethod
-    def from_config(cls, qcfg: dict) -> "AWQMethod":
+    def from_config(cls, qcfg: dict) -> AWQMethod:
         version = str(config_value(qcfg, "version", default=SUPPORTED_VERSION)).lower()
         if version != SUPPORTED_VERSION:
             raise EngineError(f"unsupported AWQ quantization_config.version {version!r}: Pagoda loads AutoAWQ "

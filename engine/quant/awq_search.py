@@ -8,15 +8,16 @@ by the mean squared error of the *block's* output on calibration activations (th
 the MLP for gate/up), so the search sees what the rounding does after the nonlinearities.
 
 The ``1/s`` is folded into whatever produces the input: an RMSNorm's weight, or the rows of the previous
-linear layer (v_proj -> o_proj when their shapes match, up_proj -> down_proj). Then, for the layers whose
+linear layer (up_proj -> down_proj, and v_proj -> o_proj; AutoAWQ does the latter only without grouped-query
+attention, here the o_proj scales are tied across the query heads that read one kv head). Then, for the layers whose
 outputs are not multiplied with each other (everything but q/k), a clipping range per group is searched
 by the output error of that group's partial dot products.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from engine.quant.rtn import effective_group, fake_quantize, fake_quantize_group
 class ScaleGroup:
     """Linear layers sharing one input, the op that produces that input, and the block part to score them by."""
 
-    prev: nn.Module  # RMSNorm (weight [in]) or nn.Linear (weight [in, *]) whose output feeds ``linears``
+    prev: nn.Module  # RMSNorm (weight [in]) or nn.Linear whose (last) output rows feed ``linears``
     linears: list[nn.Linear]
     inspect: Callable[[torch.Tensor], torch.Tensor]  # input [..., in] -> block output compared in the search
     inputs: torch.Tensor  # [..., in] full-precision calibration inputs of ``linears``

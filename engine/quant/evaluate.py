@@ -40,11 +40,11 @@ def dense_state_dict(model_dir: Path, dtype: torch.dtype = torch.float32) -> tup
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118 (not iterable)
     state: dict[str, torch.Tensor] = {}
     packed_prefixes = {n.rsplit(".", 1)[0] for n in tensors if n.endswith(".qweight")}
     for name, value in tensors.items():
-        prefix, _, leaf = name.rpartition(".")
+        prefix, _, _leaf = name.rpartition(".")
         if prefix not in packed_prefixes:
             state[name] = value.to(dtype) if value.is_floating_point() else value
     for prefix in sorted(packed_prefixes):
@@ -95,3 +95,23 @@ def perplexity(model, input_ids: torch.Tensor, window: int = 2048) -> float:
         total_nll += nll.item()
         total_tokens += chunk.numel() - 1
     return math.exp(total_nll / total_tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine.quant.evaluate DIR [DIR ...] [--text FILE]``: perplexity of each checkpoint."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description="Perplexity of dense or AWQ/GPTQ checkpoints (via Pagoda's loader)")
+    parser.add_argument("model_dirs", nargs="+", type=Path)
+    parser.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "data" / "heldout.txt")
+    args = parser.parse_args(argv)
+    for model_dir in args.model_dirs:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        ids = torch.tensor(tokenizer(args.text.read_text()).input_ids)
+        print(f"{model_dir}: perplexity {perplexity(load_dense_model(model_dir), ids):.3f} on {ids.numel()} tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,8 @@ Per linear layer ``prefix``:
   rows by group (``perm = argsort(g_idx, stable)``) so that groups are contiguous, which is the layout
   ``PackedInt4.perm`` describes (``y = x[:, perm] @ W``).
 
-``n_groups`` is ``ceil(in / G)`` as in AutoGPTQ (``G = in`` for group size -1).
+``n_groups`` is ``ceil(in / G)`` as in AutoGPTQ (``G = in`` for group size -1); a last partial group is
+re-expressed with smaller whole groups, so ``PackedInt4`` always has ``in % group_size == 0``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,19 @@ from typing import Any
 import torch
 
 from engine.layers.linear import PackedInt4
-from engine.quant.formats import (SCALE_DTYPES, GetTensor, QuantMethod, check_divisible, config_value, fetch,
-                                  pack_cols, pack_rows, require_bits, require_group_size, unpack_cols)
+from engine.quant.formats import (
+    SCALE_DTYPES,
+    GetTensor,
+    QuantMethod,
+    check_divisible,
+    config_value,
+    fetch,
+    pack_cols,
+    pack_rows,
+    require_bits,
+    require_group_size,
+    unpack_cols,
+)
 from engine.request import EngineError
 from kernels.reference import unpack_int4
 
@@ -82,7 +94,7 @@ class GPTQMethod(QuantMethod):
         self.extra = dict(extra or {})
 
     @classmethod
-    def from_config(cls, qcfg: dict) -> "GPTQMethod":
+    def from_config(cls, qcfg: dict) -> GPTQMethod:
         bits = require_bits(qcfg)
         fmt = str(config_value(qcfg, "checkpoint_format", "format", default="gptq")).lower()
         if fmt not in FORMATS:
@@ -134,6 +146,7 @@ class GPTQMethod(QuantMethod):
         perm = self._act_order_perm(get_tensor, prefix, in_features, group)
         if perm is not None:
             qweight = pack_rows(unpack_int4(qweight)[perm])  # rows sorted by group
+        scales, zeros, group = _whole_groups(scales, zeros, group, in_features)
         return PackedInt4(qweight, scales.to(dtype), zeros.to(dtype), group, perm)
 
     def _act_order_perm(self, get_tensor: GetTensor, prefix: str, in_features: int,
@@ -155,6 +168,22 @@ class GPTQMethod(QuantMethod):
         return perm
 
 
+def _whole_groups(scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                  in_features: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Re-express a last partial group (``in % G != 0``, which AutoGPTQ allows) with whole groups.
+
+    With ``G' = gcd(in, G)`` every original group is ``G / G'`` consecutive smaller groups with the same
+    scale and zero-point, and the partial one is a whole number of them: exact, and the kernels only ever
+    see ``in % G' == 0``.
+    """
+    if in_features % group == 0:
+        return scales, zeros, group
+    fine = math.gcd(in_features, group)
+    repeat = group // fine
+    keep = in_features // fine
+    return scales.repeat_interleave(repeat, dim=0)[:keep], zeros.repeat_interleave(repeat, dim=0)[:keep], fine
+
+
 def _parse_dynamic(dynamic: dict, bits: int) -> tuple[list[str], list[tuple[str, int]]]:
     """GPTQModel's per-module ``dynamic`` rules: ``-:regex`` skips modules; ``+:regex`` may change group_size."""
     skip: list[str] = []
@@ -163,7 +192,7 @@ def _parse_dynamic(dynamic: dict, bits: int) -> tuple[list[str], list[tuple[str,
         if key.startswith("-:"):
             skip.append(key[2:])
             continue
-        pattern = key[2:] if key.startswith("+:") else key
+        pattern = key.removeprefix("+:")
         override = override or {}
         if override.get("bits", bits) != bits:
             raise EngineError(f"unsupported GPTQ quantization_config.dynamic rule {key!r}: bits "

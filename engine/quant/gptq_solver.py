@@ -16,9 +16,9 @@ stacked matrix: identical results, fewer Python-level column steps, and one shar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -93,7 +93,7 @@ def _single_threaded_on_cpu(device: torch.device) -> Iterator[None]:
 def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
     w = weight.detach().clone().float()  # [out, in]
     h = hessian.detach().clone().float()
-    out_features, in_features = w.shape
+    _out_features, in_features = w.shape
     group = effective_group(cfg.group_size, in_features)
 
     dead = torch.diag(h) == 0

@@ -1,0 +1,181 @@
+"""One decoder layer at a time: AWQ (scale + clip search, then rounding), GPTQ, or plain round-to-nearest.
+
+Works on the transformers Llama-family layer (Llama, Mistral, Qwen2): ``input_layernorm -> self_attn
+(q/k/v_proj, o_proj) -> residual -> post_attention_layernorm -> mlp (gate/up_proj, down_proj) -> residual``.
+Linear layers are handled in execution order and each sees inputs computed through the ones before it
+(GPTQ's ``true_sequential``); after a layer is done its weights hold their dequantized values, so the
+layer's output, fed to the next layer, carries the quantization error forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.quant.awq import AWQMethod
+from engine.quant.awq_search import ScaleGroup, apply_clip, apply_scales, search_clip, search_scales
+from engine.quant.formats import QuantMethod
+from engine.quant.gptq import GPTQMethod
+from engine.quant.gptq_solver import GPTQConfig, HessianAccumulator, gptq_quantize
+from engine.quant.rtn import dequantize_dense, effective_group, quantize_grouped
+
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+O_PROJ = ("self_attn.o_proj",)
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+DOWN = ("mlp.down_proj",)
+LINEARS = QKV + O_PROJ + GATE_UP + DOWN
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """Everything that decides the result. ``n_grid``/``clip``/``duo_scaling`` are AWQ's, ``damp_percent`` GPTQ's."""
+
+    method: str
+    group_size: int = 128
+    bits: int = 4
+    sym: bool = False
+    desc_act: bool = False
+    damp_percent: float = 0.01
+    n_grid: int = 20
+    duo_scaling: bool = True
+    clip: bool = True
+    cpu_threads: int | None = None  # None: torch's setting
+
+    def quant_method(self) -> QuantMethod:
+        if self.method == "gptq":
+            extra = {"true_sequential": True, "damp_percent": self.damp_percent, "static_groups": False}
+            return GPTQMethod(self.bits, self.group_size, "gptq", self.desc_act, self.sym, extra=extra)
+        return AWQMethod(self.bits, self.group_size)
+
+
+@dataclass
+class QuantizedLinear:
+    """One layer's result: codes [out, in]; scales, zeros [n_groups, out]; g_idx [in] (GPTQ only)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor | None = None
+
+
+def quantize_rtn_layers(layers: nn.ModuleList, layers_prefix: str, opts: QuantizeOptions
+                        ) -> dict[str, QuantizedLinear]:
+    """Round-to-nearest on AutoAWQ's min/max grid: no calibration, no layer order needed."""
+    results = {}
+    for i, layer in enumerate(layers):
+        modules = dict(layer.named_modules())
+        for name in LINEARS:
+            codes, scales, zeros = quantize_grouped(modules[name].weight.data, opts.group_size)
+            results[f"{layers_prefix}.{i}.{name}"] = QuantizedLinear(codes, scales, zeros)
+    return results
+
+
+def to_cpu(r: QuantizedLinear) -> QuantizedLinear:
+    return QuantizedLinear(r.codes.cpu(), r.scales.cpu(), r.zeros.cpu(), None if r.g_idx is None else r.g_idx.cpu())
+
+
+def capture_input(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
+    """The input ``module`` receives while ``run()`` executes."""
+    captured = []
+    handle = module.register_forward_pre_hook(lambda m, args: captured.append(args[0]))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
+                       opts: QuantizeOptions) -> tuple[dict[str, QuantizedLinear], torch.Tensor]:
+    """Scale search, clip search, then round-to-nearest, for one decoder layer (AutoAWQ's order)."""
+    m = dict(layer.named_modules())
+    attn, mlp = layer.self_attn, layer.mlp
+    x_attn = layer.input_layernorm(hidden)  # [B, S, hidden]
+    o_in = capture_input(m["self_attn.o_proj"], lambda: attn(hidden_states=x_attn, **kwargs))
+    x_mlp = layer.post_attention_layernorm(hidden + m["self_attn.o_proj"](o_in))
+    down_in = capture_input(m["mlp.down_proj"], lambda: mlp(x_mlp))  # [B, S, intermediate]
+
+    groups = {"qkv": ScaleGroup(layer.input_layernorm, [m[n] for n in QKV],
+                                lambda x: attn(hidden_states=x, **kwargs)[0], x_attn)}
+    v_to_o = v_channel_of_o_input(attn, m["self_attn.v_proj"], m["self_attn.o_proj"])
+    if v_to_o is not None:
+        groups["o"] = ScaleGroup(m["self_attn.v_proj"], [m["self_attn.o_proj"]], m["self_attn.o_proj"], o_in,
+                                 None if v_to_o.numel() == m["self_attn.v_proj"].out_features else v_to_o)
+    groups["gate_up"] = ScaleGroup(layer.post_attention_layernorm, [m[n] for n in GATE_UP], mlp, x_mlp)
+    groups["down"] = ScaleGroup(m["mlp.up_proj"], [m["mlp.down_proj"]], m["mlp.down_proj"], down_in)
+    scales = {key: search_scales(g, opts.group_size, opts.n_grid, opts.duo_scaling) for key, g in groups.items()}
+    for key, g in groups.items():
+        apply_scales(g, scales[key])
+
+    if opts.clip:
+        inputs = {"self_attn.v_proj": groups["qkv"].inputs, "self_attn.o_proj": groups["o"].inputs if "o" in groups
+                  else o_in, "mlp.gate_proj": groups["gate_up"].inputs, "mlp.up_proj": groups["gate_up"].inputs,
+                  "mlp.down_proj": groups["down"].inputs}
+        for name, x in inputs.items():  # not q/k: their errors meet in q @ k^T, which a per-layer error misses
+            apply_clip(m[name], search_clip(m[name].weight.data, x, opts.group_size))
+
+    results = {}
+    for name in LINEARS:
+        codes, q_scales, q_zeros = quantize_grouped(m[name].weight.data, opts.group_size)
+        results[name] = QuantizedLinear(codes, q_scales, q_zeros)
+        m[name].weight.data = dequantize_dense(codes, q_scales, q_zeros,
+                                               effective_group(opts.group_size, codes.shape[1]))
+    return results, layer(hidden, **kwargs)
+
+
+def v_channel_of_o_input(attn: nn.Module, v_proj: nn.Linear, o_proj: nn.Linear) -> torch.Tensor | None:
+    """For each o_proj input channel, the v_proj output channel it carries (None if not a plain head copy).
+
+    Without GQA that is the identity (AutoAWQ's v_proj -> o_proj scaling). With GQA, query head ``h``
+    reads kv head ``h // n_rep``, so o_proj channel ``h * head_dim + d`` carries v channel
+    ``(h // n_rep) * head_dim + d``; AutoAWQ skips such layers, we tie their scales instead.
+    """
+    head_dim = getattr(attn, "head_dim", None)
+    if not head_dim or o_proj.in_features % head_dim or v_proj.out_features % head_dim:
+        return None
+    num_heads, num_kv_heads = o_proj.in_features // head_dim, v_proj.out_features // head_dim
+    if num_heads % num_kv_heads:
+        return None
+    channel = torch.arange(o_proj.in_features, device=o_proj.weight.device)
+    head, dim = channel // head_dim, channel % head_dim
+    return (head // (num_heads // num_kv_heads)) * head_dim + dim
+
+
+def quantize_gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
+                        opts: QuantizeOptions) -> tuple[dict[str, QuantizedLinear], torch.Tensor]:
+    """GPTQ each group of linears on inputs computed through the already-quantized ones."""
+    m = dict(layer.named_modules())
+    cfg = GPTQConfig(group_size=opts.group_size, sym=opts.sym, desc_act=opts.desc_act,
+                     damp_percent=opts.damp_percent, min_zero=0 if opts.sym else 1)
+    attn, mlp = layer.self_attn, layer.mlp
+    results: dict[str, QuantizedLinear] = {}
+    x_attn = layer.input_layernorm(hidden)
+    results.update(gptq_group(m, QKV, x_attn, cfg))
+    o_in = capture_input(m["self_attn.o_proj"], lambda: attn(hidden_states=x_attn, **kwargs))
+    results.update(gptq_group(m, O_PROJ, o_in, cfg))
+    h_mid = hidden + m["self_attn.o_proj"](o_in)
+    x_mlp = layer.post_attention_layernorm(h_mid)
+    results.update(gptq_group(m, GATE_UP, x_mlp, cfg))
+    down_in = capture_input(m["mlp.down_proj"], lambda: mlp(x_mlp))
+    results.update(gptq_group(m, DOWN, down_in, cfg))
+    return results, h_mid + m["mlp.down_proj"](down_in)
+
+
+def gptq_group(modules: dict[str, nn.Module], names: tuple[str, ...], inputs: torch.Tensor,
+               cfg: GPTQConfig) -> dict[str, QuantizedLinear]:
+    """Solve the linears sharing ``inputs`` as one stacked matrix; write their dequantized weights back."""
+    linears = [modules[n] for n in names]
+    acc = HessianAccumulator(linears[0].in_features, inputs.device)
+    acc.add(inputs)
+    result = gptq_quantize(torch.cat([fc.weight.data for fc in linears]), acc.hessian, cfg)
+    dense = result.dequantize()  # [sum(out), in]
+    out, start = {}, 0
+    for name, fc in zip(names, linears):
+        rows = slice(start, start + fc.out_features)
+        fc.weight.data = dense[rows].to(fc.weight.dtype)
+        out[name] = QuantizedLinear(result.codes[rows], result.scales[:, rows], result.zeros[:, rows], result.g_idx)
+        start += fc.out_features
+    return out
