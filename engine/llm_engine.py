@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable
 
 from engine.catalog import resolve_model
-import torch
 
 from engine.config import EngineArgs, ModelConfig, parse_bytes, resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
@@ -96,14 +95,12 @@ class LLMEngine:
     def _require_fit_before_load(self, config: ModelConfig) -> None:
         """Refuse, before reading any weights, a max_model_len whose one full request cannot fit the budget."""
         from engine.fit import estimate_weight_bytes, require_fit
-        from engine.model_runner import CPU_DEFAULT_KV_MEMORY
+        from engine.model_runner import CPU_DEFAULT_KV_MEMORY, cuda_budget_bytes
 
         args = self.args
         kv_bytes = None
         if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = parse_bytes(args.gpu_memory_limit) if args.gpu_memory_limit else int(
-                total * args.gpu_memory_utilization)
+            budget = cuda_budget_bytes(args, self.device)
         else:
             kv_bytes = parse_bytes(args.kv_cache_memory or CPU_DEFAULT_KV_MEMORY)
             budget = estimate_weight_bytes(config, self.dtype) + kv_bytes

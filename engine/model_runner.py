@@ -20,6 +20,13 @@ log = logging.getLogger("pagoda.runner")
 CPU_DEFAULT_KV_MEMORY = "256MiB"
 
 
+def cuda_budget_bytes(args: EngineArgs, device: torch.device) -> int:
+    """The device budget: --gpu-memory-limit (capped at the card) or --gpu-memory-utilization of the card."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = parse_bytes(args.gpu_memory_limit) if args.gpu_memory_limit else None
+    return min(limit, total) if limit else int(total * args.gpu_memory_utilization)
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     num_blocks: int
@@ -79,9 +86,7 @@ class ModelRunner:
 
     def _profile_cuda(self) -> tuple[int, int]:
         """Budget from --gpu-memory-limit or --gpu-memory-utilization; activation peak of one full-budget forward."""
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        limit = parse_bytes(self.args.gpu_memory_limit) if self.args.gpu_memory_limit else None
-        budget = min(limit, total) if limit else int(total * self.args.gpu_memory_utilization)
+        budget = cuda_budget_bytes(self.args, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)

@@ -11,13 +11,13 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
+from server_process import free_port
 
 from engine.async_engine import AsyncEngine, ModelSwitchedError, NoModelLoadedError
 from engine.config import EngineArgs
@@ -184,12 +184,6 @@ def test_release_first_mode_restores_the_old_model_when_the_load_fails(engine, b
     assert engine.llm_engine is not None and engine.model_name == serving
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _sse_stream(url: str, body: dict, events: list, started: threading.Event) -> None:
     with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
         for line in r.iter_lines():
@@ -201,7 +195,7 @@ def _sse_stream(url: str, body: dict, events: list, started: threading.Event) ->
 
 def test_load_and_unload_routes(engine, default_model_dir, second_model_dir, broken_model_dir):
     app = build_app(engine, ServerSettings(), with_ui=False, owns_engine=False)
-    with ServerThread(app, _free_port()) as url:
+    with ServerThread(app, free_port()) as url:
         http = httpx.Client(base_url=url, timeout=120)
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_hub import FakeHub
+from server_process import free_port, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "ui"
@@ -36,12 +35,6 @@ AWQ_ID = "smollm2-135m-instruct-awq"
 FAKE_REPO = "pagoda-test/smollm2-copy"
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- fixtures: the AWQ build, a fake Hub, the server, the browser -------------------------------------------
@@ -76,32 +69,13 @@ def server(default_model_dir, fake_hub, tmp_path_factory) -> Iterator[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("PAGODA_API_KEY", "HF_HUB_OFFLINE", "HF_TOKEN")}
     env.update(PAGODA_HOME=str(home), HF_ENDPOINT=fake_hub.endpoint, HF_HUB_CACHE=str(home / "hf-cache"),
                HF_HOME=str(home / "hf-home"))
-    port = _free_port()
+    port = free_port()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     err_path, out_path = ARTIFACTS / "server.stderr.log", ARTIFACTS / "server.stdout.log"
     cmd = [sys.executable, str(ROOT / "app.py"), "serve", "--model", str(default_model_dir), "--port", str(port)]
     with open(err_path, "wb") as err, open(out_path, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 240
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start: {err_path.read_text()[-3000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
+        with serving(cmd, env, out, err, err_path.read_text) as url:
             yield {"url": url, "port": port, "stderr": err_path}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
