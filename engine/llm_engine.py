@@ -79,6 +79,7 @@ class LLMEngine:
         self.runner = ModelRunner(args, self.model_dir, self.device, self.dtype, max_model_len)
         self.model_config = self.runner.config
         self.max_model_len = self._fit_max_model_len(max_model_len)
+        self.runner.capture_decode_graphs(self.max_model_len)
         layout = self.runner.layout
         self.kv_manager = KVCacheManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -168,7 +169,7 @@ class LLMEngine:
             if not sample.is_finished:
                 self.scheduler.abort_request(sample.request_id)
                 self.counters.finished["abort"] += 1
-            self.runner.sampler.free(sample.request_id)
+            self.runner.free_request(sample.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -177,6 +178,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, append sampled tokens, apply stop rules; outputs of touched groups."""
         plan = self.scheduler.schedule()
+        for req in plan.preempted:
+            self.runner.forget_blocks(req.request_id)
         to_sample, sampled = self.runner.execute(plan.scheduled, plan.copy_on_write)
         token_map = {} if sampled is None else {r.request_id: t for r, t in zip(to_sample, sampled.token_ids)}
         if sampled is not None:
@@ -203,7 +206,7 @@ class LLMEngine:
             if group.finished:
                 del self.groups[group.request_id]
                 for sample in group.samples:
-                    self.runner.sampler.free(sample.request_id)
+                    self.runner.free_request(sample.request_id)
         return outputs
 
     def _apply_stop_rules(self, group: RequestGroup, req: Request) -> None:

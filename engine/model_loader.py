@@ -62,9 +62,15 @@ class WeightLoader:
 
     def weight(self, prefix: str, out_f: int, in_f: int) -> Weight:
         if self.quant is not None and self.quant.is_quantized(prefix):
-            packed = self.quant.load_linear(self.store.get, prefix, in_f, out_f, self.dtype)
+            # the repack into the kernel layout runs where the weights go: a GPU does a 7B model's in well
+            # under a second, where the CPU would take many
+            packed = self.quant.load_linear(self._get_on_device, prefix, in_f, out_f, self.dtype)
             return packed.to(self.device, self.dtype)
         return _dense(self.store, prefix, out_f, in_f, self.device, self.dtype)
+
+    def _get_on_device(self, name: str) -> torch.Tensor | None:
+        tensor = self.store.get(name)
+        return None if tensor is None else tensor.to(self.device)
 
     def bias(self, prefix: str, out_f: int) -> torch.Tensor | None:
         bias = self.store.get(f"{prefix}.bias")

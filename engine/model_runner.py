@@ -8,7 +8,11 @@ from pathlib import Path
 
 import torch
 
+import numpy as np
+
+from engine.block_table import BlockTableRows
 from engine.config import EngineArgs, ModelConfig, parse_bytes
+from engine.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes
 from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
 from engine.request import EngineError, Request
@@ -44,8 +48,9 @@ class MemoryProfile:
 
     budget: int
     weights: int
-    activation_peak: int
+    activation_peak: int  # measured: one forward at the full token budget
     kv_cache: int
+    decode_reserve: int = 0  # estimated: decode logits + sampling at max_num_seqs rows, CUDA graph pool
 
 
 class ModelRunner:
@@ -60,9 +65,30 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.sampler = Sampler(seed=args.seed)
         self.weight_bytes = self.model.weight_bytes()
+        self.use_cuda_graphs = (device.type == "cuda" and self.backend.use_triton and not args.enforce_eager)
         self.layout, self.memory_profile = self._size_kv_cache()
         self.kv_caches = self._allocate_kv_cache()
         self.model.bind_kv_caches(self.kv_caches)
+        self.block_rows = BlockTableRows(self._max_blocks(max_model_len))
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def _max_blocks(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.args.block_size)
+
+    @property
+    def cuda_graph_pool_bytes(self) -> int:
+        return self.decode_graphs.pool_bytes if self.decode_graphs else 0
+
+    def capture_decode_graphs(self, max_model_len: int) -> None:
+        """Capture decode graphs for batches up to max_num_seqs (after the KV cache exists: graphs keep its
+        addresses). A no-op on CPU, with the reference kernels, or under --enforce-eager."""
+        if not self.use_cuda_graphs:
+            return
+        self.max_model_len = max_model_len
+        self.block_rows = BlockTableRows(self._max_blocks(max_model_len))
+        self.decode_graphs = DecodeGraphs(self.model, self.args.max_num_seqs, self._max_blocks(max_model_len),
+                                          self.device)
+        self.decode_graphs.capture()
 
     # ---- KV cache sizing -------------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -72,17 +98,31 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         if self.device.type == "cuda":
             budget, activation_peak = self._profile_cuda()
-            kv_budget = budget - self.weight_bytes - activation_peak
+            reserve = self._decode_reserve_bytes(activation_peak)
+            kv_budget = budget - self.weight_bytes - activation_peak - reserve
         else:
             kv_budget = parse_bytes(self.args.kv_cache_memory or CPU_DEFAULT_KV_MEMORY)
-            budget, activation_peak = self.weight_bytes + kv_budget, 0
+            budget, activation_peak, reserve = self.weight_bytes + kv_budget, 0, 0
         num_blocks = kv_budget // per_block
         if num_blocks < 1:
             raise EngineError(f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, weights "
                               f"{self.weight_bytes / 2**30:.2f} GiB, activations {activation_peak / 2**30:.2f} GiB",
                               param="gpu_memory_utilization")
         layout = KVCacheLayout(int(num_blocks), self.args.block_size, per_block)
-        return layout, MemoryProfile(budget, self.weight_bytes, activation_peak, layout.num_blocks * per_block)
+        return layout, MemoryProfile(budget, self.weight_bytes, activation_peak, layout.num_blocks * per_block,
+                                     reserve)
+
+    def _decode_reserve_bytes(self, activation_peak: int) -> int:
+        """Memory a decode step needs beyond the profiled forward (which computed one row of logits): logits
+        and sampling temporaries for max_num_seqs rows, plus the graph pool, which keeps the activations of
+        the largest captured batch (at most the profiled peak scaled to its share of the token budget)."""
+        rows = self.args.max_num_seqs
+        logits = rows * self.config.vocab_size * 4 * 6  # fp16 + fp32 logits, processed copy, probs, noise
+        if not self.use_cuda_graphs:
+            return logits
+        graph_rows = capture_sizes(rows)[-1]
+        profiled_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
+        return logits + activation_peak * min(1.0, graph_rows / profiled_tokens)
 
     def _profile_cuda(self) -> tuple[int, int]:
         """Budget from --gpu-memory-limit or --gpu-memory-utilization; activation peak of one full-budget forward."""
@@ -136,18 +176,48 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+    def free_request(self, request_id: str) -> None:
+        """A request finished, was aborted or preempted: drop its sampling state (unless preempted, see
+        ``forget_blocks``) and its block-table row."""
+        self.sampler.free(request_id)
+        self.block_rows.free(request_id)
+
+    def forget_blocks(self, request_id: str) -> None:
+        """A preempted request lost its blocks: its row is rewritten whole when it is scheduled again."""
+        self.block_rows.free(request_id)
+
+    def _table_rows(self, scheduled) -> list[int]:
+        """Bring each request's host block-table row up to date (from the first block this step writes)."""
+        bs = self.args.block_size
+        return [self.block_rows.update(item.request_id, item.block_table, item.num_computed_tokens // bs)
+                for item in scheduled]
+
+    def decode_inputs(self, scheduled) -> DecodeInputs:
+        """Host inputs of a decode step (one new token per request): O(batch) Python, O(1) per request."""
+        bs = self.args.block_size
+        rows = self._table_rows(scheduled)
+        positions = [item.num_computed_tokens for item in scheduled]
+        slots = [item.block_table[p // bs] * bs + p % bs for item, p in zip(scheduled, positions)]
+        width = max(len(item.block_table) for item in scheduled)
+        return DecodeInputs(
+            input_ids=np.array([item.token_ids[0] for item in scheduled], dtype=np.int64),
+            positions=np.array(positions, dtype=np.int64), slot_mapping=np.array(slots, dtype=np.int64),
+            context_lens=np.array(positions, dtype=np.int32) + 1,
+            block_tables=self.block_rows.gather(rows, width))
+
     def build_batch(self, scheduled) -> tuple[ForwardBatch, list[Request]]:
         """From the scheduler's (request, num_new_tokens, block_table) list to device tensors.
 
-        Python work is O(new tokens + blocks), not O(context): only the new tokens' ids are sliced.
+        Python work is O(new tokens), not O(context): only the new tokens' ids are sliced, and block tables
+        come from the host rows updated by deltas (engine/block_table.py).
         """
         bs = self.args.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts, ctx_lens, logits_idx, to_sample = [0], [], [], []
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        tables = []
+        rows = self._table_rows(scheduled)
+        tables = self.block_rows.gather(rows, max(len(s.block_table) for s in scheduled))
         for item in scheduled:
             start, n, table = item.num_computed_tokens, item.num_new_tokens, item.block_table
             input_ids.extend(item.token_ids)
@@ -155,7 +225,6 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in item.positions)
             starts.append(starts[-1] + n)
             ctx_lens.append(start + n)
-            tables.append(table + [0] * (max_blocks - len(table)))
             if item.needs_sample:  # the step completes what is known: sample the next token
                 logits_idx.append(starts[-1] - 1)
                 to_sample.append(item.request)
@@ -164,7 +233,7 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
@@ -176,14 +245,26 @@ class ModelRunner:
         self.copy_blocks(copy_on_write)
         if not scheduled:
             return [], None
-        batch, to_sample = self.build_batch(scheduled)
-        logits = self.model.forward(batch)  # [num_sampled, vocab] float32
+        if self._graph_fits(scheduled):
+            to_sample = [item.request for item in scheduled]
+            logits = self.decode_graphs.run(self.decode_inputs(scheduled))  # [num_seqs, vocab] float32
+        else:
+            batch, to_sample = self.build_batch(scheduled)
+            logits = self.model.forward(batch)  # [num_sampled, vocab] float32
         if not to_sample:
             return [], None
         return to_sample, self.sampler.sample(logits, to_sample)
 
+    def _graph_fits(self, scheduled) -> bool:
+        """A pure decode step (every request has all but its newest token cached) that a graph covers."""
+        if self.decode_graphs is None or not all(item.num_new_tokens == 1 and item.needs_sample
+                                                 for item in scheduled):
+            return False
+        return self.decode_graphs.fits(len(scheduled), max(len(item.block_table) for item in scheduled))
+
     def release(self) -> None:
         """Drop every device tensor this runner holds so the memory can go back to the device."""
+        self.decode_graphs = None
         self.model.kv_caches = []
         self.kv_caches = []
         self.model = None

@@ -94,7 +94,7 @@ def random_prompts(model_dir: Path) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (7, 33, 130, 517)]
 
 
-@pytest.mark.parametrize("kernels", ["triton", "reference"])
+@pytest.mark.parametrize("kernels", ["triton-graphs", "triton-eager", "reference"])
 def test_greedy_matches_transformers_on_gpu(random_model, kernels):
     """Every greedy token we pick is HF's greedy pick at that position, up to fp16 near-ties.
 
@@ -107,13 +107,20 @@ def test_greedy_matches_transformers_on_gpu(random_model, kernels):
     from engine import LLM
 
     prompts = random_prompts(random_model)
-    llm = LLM(str(random_model), dtype="float16", device="cuda", gpu_memory_limit="16GiB",
-              force_reference_kernels=kernels == "reference")
-    assert llm.engine.runner.backend.use_triton == (kernels == "triton")
+    llm = LLM(str(random_model), dtype="float16", device="cuda", gpu_memory_limit="16GiB", max_num_seqs=32,
+              force_reference_kernels=kernels == "reference", enforce_eager=kernels == "triton-eager")
+    runner = llm.engine.runner
+    assert runner.backend.use_triton == kernels.startswith("triton")
+    assert (runner.decode_graphs is not None) == (kernels == "triton-graphs")
+    # different lengths: the decode batch shrinks 4 -> 3 -> 2 -> 1, so graphs of padded sizes replay too
+    lengths = [16, 12, 9, 5]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
     generated = [o.outputs[0].token_ids for o in outs]
-    del llm
+    assert [len(g) for g in generated] == lengths
+    if kernels == "triton-graphs":
+        assert runner.decode_graphs.replays >= 15  # every decode step after the prefill step
+    del llm, runner
     torch.cuda.empty_cache()
     rows = hf_logprobs_along(random_model, [p + g for p, g in zip(prompts, generated)])
     for prompt, tokens, logits in zip(prompts, generated, rows):
@@ -123,14 +130,17 @@ def test_greedy_matches_transformers_on_gpu(random_model, kernels):
             gap = top - float(row[token])
             assert gap <= 0.02 + 2 * fp16_ulp(top), (step, token, int(row.argmax()), gap, top)
     expected = hf_greedy(random_model, prompts, 16)
-    assert sum(g == e for g, e in zip(generated, expected)) >= 1
+    assert sum(g == e[:len(g)] for g, e in zip(generated, expected)) >= 1
 
 
-def test_decode_speed_report(random_model, capsys):
-    """Not a target check (issue 9 owns those): prints batch-1 and batch-32 decode rates for BENCHMARKS.md."""
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+def test_decode_speed_report(random_model, mode, capsys):
+    """Not a target check (bench/latency.py owns those): prints batch-1 and batch-32 decode rates with and
+    without CUDA graphs, so a regression of either shows in the GPU test log."""
     from engine import LLM
 
-    llm = LLM(str(random_model), dtype="float16", device="cuda", gpu_memory_limit="16GiB")
+    llm = LLM(str(random_model), dtype="float16", device="cuda", gpu_memory_limit="16GiB", max_num_seqs=32,
+              enforce_eager=mode == "eager")
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     for batch in (1, 32):
@@ -140,4 +150,4 @@ def test_decode_speed_report(random_model, capsys):
         torch.cuda.synchronize()
         rate = batch * 128 / (time.perf_counter() - start)
         with capsys.disabled():
-            print(f"\n[decode-rate] {random_model.name} batch {batch}: {rate:.0f} tok/s (eager, no CUDA graphs)")
+            print(f"\n[decode-rate] {random_model.name} {mode} batch {batch}: {rate:.0f} tok/s")

@@ -1,0 +1,61 @@
+"""Host block-table rows updated by deltas give the same tables as rebuilding them every step."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.block_table import BlockTableRows
+from engine.cuda_graph import capture_sizes
+
+
+def test_deltas_reproduce_full_tables_through_growth_cow_preemption_and_reuse():
+    rng = random.Random(0)
+    rows = BlockTableRows(max_blocks=40, initial_rows=2)  # forces the row array to grow
+    block_size = 4
+    tables: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    next_block = 0
+    for step in range(400):
+        request_id = f"r{rng.randrange(12)}"
+        action = rng.random()
+        if action < 0.1 and request_id in tables:  # preempted or finished: the row is dropped
+            rows.free(request_id)
+            del tables[request_id], computed[request_id]
+            continue
+        table = tables.setdefault(request_id, [])
+        done = computed.setdefault(request_id, 0)
+        new_tokens = rng.choice([1, 1, 1, 5, 13])
+        if (done + new_tokens + block_size - 1) // block_size > 40:
+            continue
+        if done % block_size and action < 0.3:  # copy-on-write replaces the partly filled block written next
+            table[done // block_size] = next_block
+            next_block += 1
+        while len(table) * block_size < done + new_tokens:
+            table.append(next_block)
+            next_block += 1
+        row = rows.update(request_id, list(table), done // block_size)
+        computed[request_id] = done + new_tokens
+        np.testing.assert_array_equal(rows.gather([row], len(table))[0], table)
+    live = list(tables)
+    gathered = rows.gather([rows.update(r, tables[r], computed[r] // block_size) for r in live], 40)
+    for request_id, got in zip(live, gathered):
+        np.testing.assert_array_equal(got[:len(tables[request_id])], tables[request_id])
+    assert len(rows) == len(live)
+
+
+def test_row_width_is_enforced():
+    rows = BlockTableRows(max_blocks=3)
+    with pytest.raises(ValueError, match="exceeds the row width"):
+        rows.update("a", [1, 2, 3, 4], 0)
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8, 9, 64, 256])
+def test_capture_sizes_cover_every_batch(max_batch):
+    sizes = capture_sizes(max_batch)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1
+    for n in range(1, max_batch + 1):
+        padded = next(s for s in sizes if s >= n)
+        assert padded - n < max(8, n)  # at most 7 padding rows beyond 8, powers of two below
