@@ -1,0 +1,229 @@
+"""Single-stream latency: batch-1 decode tok/s, its fraction of the bandwidth roofline, and prefix-cache TTFT.
+
+Run on the GPU machine: ``python3 bench/latency.py [--out bench/results/latency.json]`` (CPU check:
+``--device cpu --shape tiny --output-len 16``). Models are random-weight builds of real shapes
+(bench/random_model.py), cached in ``--models-dir``.
+
+Decode rate: one request, a fresh random prompt of ``--prompt-len`` tokens, exactly ``--output-len`` generated
+tokens (``ignore_eos``). The time of a 1-token generation (prefill + first token) is subtracted from the time
+of the full one, so ``tok/s = (output_len - 1) / (t_full - t_first)`` is the decode loop alone; medians of
+``--repeats`` runs, each on a new prompt (no prefix-cache hits), after a warm-up.
+
+Roofline fraction: ``bytes_per_step / step_time / copy_bandwidth``, where ``bytes_per_step`` is what one
+decode step must read, computed from config.json (not from the engine): every decoder linear in its
+checkpoint format (AWQ: int4 codes + fp16 scales + 4-bit zeros per group; fp16: 2 bytes a weight), norms, the
+LM head, one embedding row, and the K and V of the mean context length of the timed steps; the copy bandwidth
+is measured in the same run (a device-to-device copy, bytes read + written). llama.cpp's 33% is figured the
+same way (model bytes per token / copy bandwidth).
+
+Prefix caching: a warm engine, one request at a time, ``--prefix-len`` shared tokens + ``--suffix-len`` fresh
+ones, 1 output token. TTFT on a miss (a prefix never seen) and on a hit (the same prefix again, a different
+suffix); the target is ``median(miss) / median(hit) >= 5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (
+    LLAMACPP,
+    PEER_LLAMACPP_7B_BS1_FRACTION,
+    PEER_LLAMACPP_SMOLLM2_BS1,
+    BenchRun,
+    add_common_args,
+    at_least,
+    copy_bandwidth,
+    engine_kwargs,
+    info,
+    model_for,
+    shape_label,
+    timed,
+)
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    tokens_per_s: float
+    step_s: float
+    first_token_s: float
+
+
+def model_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def weight_bytes_per_step(cfg: dict, dense_bytes: int) -> int:
+    """Bytes of weights one decode step reads, in the checkpoint's format (see the module docstring)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]  # (in, out)
+    qcfg = cfg.get("quantization_config")
+    per_layer = 0
+    for k, n in linears:
+        if qcfg:
+            group = k if qcfg["group_size"] == -1 else qcfg["group_size"]
+            groups = k // group
+            per_layer += k * n // 2 + groups * n * 2 + groups * n // 2  # codes, fp16 scales, zeros
+        else:
+            per_layer += k * n * dense_bytes
+    per_layer += 2 * h * dense_bytes  # the two RMSNorm weights
+    head = cfg["vocab_size"] * h * dense_bytes + h * dense_bytes  # LM head (tied or not) + final norm
+    return layers * per_layer + head + h * dense_bytes  # + the embedding row of the input token
+
+
+def kv_bytes_per_token(cfg: dict, kv_bytes: int) -> int:
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * kv_bytes
+
+
+def random_tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def generate_once(llm, prompt: list[int], max_tokens: int) -> list:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    return llm.generate({"prompt_token_ids": prompt}, params)
+
+
+def decode_timing(llm, args, vocab: int, rng: random.Random) -> DecodeTiming:
+    n = args.output_len
+    generate_once(llm, random_tokens(rng, vocab, args.prompt_len), min(n, 32))  # warm-up (compile, autotune)
+    firsts, fulls = [], []
+    for _ in range(args.repeats):
+        prompt = random_tokens(rng, vocab, args.prompt_len)
+        firsts.append(timed(generate_once, args.device, llm, prompt, 1)[0])
+        seconds, outs = timed(generate_once, args.device, llm, random_tokens(rng, vocab, args.prompt_len), n)
+        fulls.append(seconds)
+        got = len(outs[0].outputs[0].token_ids)
+        if got != n:
+            raise RuntimeError(f"asked for exactly {n} tokens (ignore_eos, min_tokens), got {got}")
+    first, full = statistics.median(firsts), statistics.median(fulls)
+    step = max(full - first, 1e-9) / (n - 1)
+    return DecodeTiming(1.0 / step, step, first)
+
+
+def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, target: str, copy_bw: float) -> None:
+    args = run.args
+    cfg = model_config(model_dir)
+    dense = 2 if args.device != "cpu" else 4
+    timing = decode_timing(llm, args, cfg["vocab_size"], random.Random(args.seed))
+    mean_context = args.prompt_len + args.output_len / 2
+    weights = weight_bytes_per_step(cfg, dense)
+    step_bytes = weights + kv_bytes_per_token(cfg, dense) * mean_context
+    fraction = step_bytes / timing.step_s / 1e9 / copy_bw
+    label = f"{shape} AWQ batch 1 (prompt {args.prompt_len}, {args.output_len} tokens)"
+    if target == "tok/s":
+        run.add(at_least(f"{label}: decode", timing.tokens_per_s, "tok/s", 1400, LLAMACPP + ", Q4_1",
+                         PEER_LLAMACPP_SMOLLM2_BS1),
+                info(f"{label}: fraction of bandwidth roofline", fraction, "x roofline"))
+    else:
+        run.add(at_least(f"{label}: fraction of bandwidth roofline", fraction, "x roofline", 0.75,
+                         LLAMACPP + ", Q4_0 354 tok/s", PEER_LLAMACPP_7B_BS1_FRACTION),
+                info(f"{label}: decode", timing.tokens_per_s, "tok/s", LLAMACPP + ", Q4_0", 354.0))
+    engine_weights = llm.engine.runner.weight_bytes
+    run.add(info(f"{label}: roofline at measured copy BW", copy_bw * 1e9 / step_bytes, "tok/s"),
+            info(f"{label}: bytes read per step (checkpoint format, weights + KV)", step_bytes / 1e9, "GB"),
+            info(f"{label}: engine's resident weights (incl. embedding table)", engine_weights / 1e9, "GB"),
+            info(f"{label}: prefill + first token", timing.first_token_s * 1e3, "ms"))
+
+
+def bench_prefix(run: BenchRun, llm, model_dir: Path, shape: str) -> None:
+    args = run.args
+    vocab = model_config(model_dir)["vocab_size"]
+    rng = random.Random(args.seed + 1)
+    p, s = args.prefix_len, args.suffix_len
+    for _ in range(2):  # warm-up: miss and hit paths at these lengths
+        prefix = random_tokens(rng, vocab, p)
+        generate_once(llm, prefix + random_tokens(rng, vocab, s), 1)
+        generate_once(llm, prefix + random_tokens(rng, vocab, s), 1)
+    misses, hits, cached = [], [], []
+    for _ in range(args.prefix_trials):
+        prefix = random_tokens(rng, vocab, p)
+        misses.append(timed(generate_once, args.device, llm, prefix + random_tokens(rng, vocab, s), 1)[0])
+        seconds, outs = timed(generate_once, args.device, llm, prefix + random_tokens(rng, vocab, s), 1)
+        hits.append(seconds)
+        cached.append(outs[0].num_cached_tokens)
+    miss, hit = statistics.median(misses), statistics.median(hits)
+    label = f"{shape} AWQ, {p}-token shared prefix + {s}-token suffix"
+    run.add(at_least(f"{label}: TTFT miss / TTFT hit", miss / hit, "x", 5),
+            info(f"{label}: TTFT on a miss", miss * 1e3, "ms"),
+            info(f"{label}: TTFT on a hit", hit * 1e3, "ms"),
+            info(f"{label}: prompt tokens served from the prefix cache on a hit", min(cached), "tokens"))
+
+
+MODELS = {  # shape: (what its target measures, whether the prefix test runs on it)
+    "smollm2-135m": ("tok/s", False),
+    "llama2-7b": ("roofline", True),
+}
+
+
+def bench_model(run: BenchRun, base_shape: str, copy_bw: float, sections: set[str]) -> None:
+    """Load one AWQ model and run its sections on it."""
+    from engine import LLM
+
+    args = run.args
+    target, with_prefix = MODELS[base_shape]
+    shape = shape_label(args, base_shape)
+    llm = None
+    with run.section(f"{shape} AWQ: build and load"):
+        model_dir = model_for(args, base_shape, "awq")
+        llm = LLM(str(model_dir), **engine_kwargs(args))
+        group = model_config(model_dir)["quantization_config"]["group_size"]
+        run.add(info(f"{shape} AWQ group size", group, "weights"))
+    if llm is None:
+        return
+    if "decode" in sections:
+        with run.section(f"{shape} AWQ: batch-1 decode"):
+            bench_decode(run, llm, model_dir, shape, target, copy_bw)
+    if with_prefix and "prefix" in sections:
+        with run.section(f"{shape} AWQ: prefix cache TTFT"):
+            bench_prefix(run, llm, model_dir, shape)
+    llm.engine.release()
+    del llm
+    gc.collect()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser, "latency")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated of {', '.join(MODELS)}")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefix-len", type=int, default=2000)
+    parser.add_argument("--suffix-len", type=int, default=16)
+    parser.add_argument("--prefix-trials", type=int, default=5)
+    parser.add_argument("--only", default="decode,prefix", help="comma-separated: decode, prefix")
+    parser.add_argument("--copy-bandwidth", type=float, default=None, help=argparse.SUPPRESS)  # from the parent
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    run = BenchRun("latency", args)
+    copy_bw = args.copy_bandwidth
+    if copy_bw is None:
+        copy_bw = copy_bandwidth(args.device)
+        run.add(info("copy bandwidth (device-to-device, read + write)", copy_bw, "GB/s"))
+    models = args.models.split(",")
+    if len(models) > 1 and not args.in_process:
+        run.run_isolated("--models", models, "--copy-bandwidth", str(copy_bw))
+    else:
+        for base_shape in models:
+            bench_model(run, base_shape, copy_bw, set(args.only.split(",")))
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Where one engine step's time goes on the GPU: host launch time vs device time of a forward, and a profile.
+
+A diagnostic, not a target check: ``python3 bench/step_profile.py --model <folder> [--batch 1 32 128]``.
+For each batch size it times (a) an eager forward's host time (Python + launches, no sync) against its device
+time (CUDA events), (b) a graph replay's device time, and (c) whole engine steps with graphs, then prints the
+top host functions of the engine loop under cProfile, so launch overhead and Python per step are measured
+rather than guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import LLM, SamplingParams
+from engine.cuda_graph import DecodeInputs
+
+
+def decode_inputs(runner, batch: int, context: int) -> DecodeInputs:
+    """Synthetic decode inputs: ``batch`` sequences of ``context`` tokens over distinct blocks."""
+    bs = runner.layout.block_size
+    blocks = -(-context // bs)
+    tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks) % runner.layout.num_blocks
+    pos = np.full(batch, context - 1, dtype=np.int64)
+    slots = tables[:, -1].astype(np.int64) * bs + (context - 1) % bs
+    return DecodeInputs(np.full(batch, 5, dtype=np.int64), pos, slots, np.full(batch, context, dtype=np.int32),
+                        tables)
+
+
+def time_forward(runner, inputs: DecodeInputs, repeats: int = 20) -> tuple[float, float, float]:
+    """(eager host ms, eager device ms, graph device ms) medians for one decode forward."""
+    graphs = runner.decode_graphs
+    graphs.buffers.load(inputs, next(s for s in graphs.sizes if s >= inputs.num_seqs))
+    batch = graphs.buffers.batch(inputs.num_seqs)
+    host, dev, graph = [], [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start_evt.record()
+        runner.model.forward(batch)
+        end_evt.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        dev.append(start_evt.elapsed_time(end_evt))
+        start_evt.record()
+        graphs.run(inputs)
+        end_evt.record()
+        torch.cuda.synchronize()
+        graph.append(start_evt.elapsed_time(end_evt))
+    return statistics.median(host), statistics.median(dev), statistics.median(graph)
+
+
+def engine_steps(llm, batch: int, steps: int, profile: bool) -> float:
+    """Median ms per engine step while ``batch`` requests decode; optionally prints a host profile."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        llm.engine.add_request(f"p{batch}-{i}", prompt_token_ids=[5 + i % 100] * 16, params=params)
+    llm.engine.step()  # prefill
+    times = []
+    prof = cProfile.Profile() if profile else None
+    while llm.engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        llm.engine.step()
+        if prof:
+            prof.disable()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--gpu-memory-limit", default="40GiB")
+    args = parser.parse_args()
+    llm = LLM(args.model, dtype="float16", device="cuda", gpu_memory_limit=args.gpu_memory_limit,
+              max_num_seqs=max(args.batch))
+    runner = llm.engine.runner
+    print(f"graphs: {len(runner.decode_graphs.graphs)} sizes, captured in {runner.decode_graphs.capture_seconds:.2f} s,"
+          f" pool {runner.cuda_graph_pool_bytes / 2**20:.0f} MiB")
+    for batch in args.batch:
+        host, dev, graph = time_forward(runner, decode_inputs(runner, batch, args.context))
+        step = engine_steps(llm, batch, 32, profile=batch == max(args.batch))
+        print(f"[step-profile] batch {batch}: eager forward host {host:.2f} ms / device {dev:.2f} ms; "
+              f"graph replay {graph:.2f} ms; engine step (graphs, sampling, host) {step:.2f} ms "
+              f"-> {batch / step * 1e3:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
