@@ -61,6 +61,23 @@ def time_forward(runner, inputs: DecodeInputs, repeats: int = 20) -> tuple[float
     return statistics.median(host), statistics.median(dev), statistics.median(graph)
 
 
+def profile_eager_forward(runner, inputs: DecodeInputs, repeats: int = 10) -> None:
+    """Host profile of eager forwards (where Python and launch time goes when no graph replays)."""
+    graphs = runner.decode_graphs
+    graphs.buffers.load(inputs, next(s for s in graphs.sizes if s >= inputs.num_seqs))
+    batch = graphs.buffers.batch(inputs.num_seqs)
+    runner.model.forward(batch)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(repeats):
+        runner.model.forward(batch)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"--- eager forward x{repeats}, batch {inputs.num_seqs}: host functions by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def engine_steps(llm, batch: int, steps: int, profile: bool) -> float:
     """Median ms per engine step while ``batch`` requests decode; optionally prints a host profile."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
@@ -94,6 +111,7 @@ def main() -> None:
     runner = llm.engine.runner
     print(f"graphs: {len(runner.decode_graphs.graphs)} sizes, captured in {runner.decode_graphs.capture_seconds:.2f} s,"
           f" pool {runner.cuda_graph_pool_bytes / 2**20:.0f} MiB")
+    profile_eager_forward(runner, decode_inputs(runner, 1, args.context))
     for batch in args.batch:
         host, dev, graph = time_forward(runner, decode_inputs(runner, batch, args.context))
         step = engine_steps(llm, batch, 32, profile=batch == max(args.batch))

@@ -23,9 +23,14 @@ log = logging.getLogger("pagoda.graphs")
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """Padded decode batch sizes to capture, ascending, up to the first one >= ``max_batch``."""
+    """Padded decode batch sizes to capture, ascending, up to the first one >= ``max_batch``.
+
+    Dense where padding would cost a large share of a small batch, sparse beyond 32 rows: a padding row costs
+    one token of attention and its share of the matmuls, whose weight reads dominate a large batch anyway.
+    Each size costs a warm-up forward and a capture at start-up (ten sizes for 128 rows).
+    """
     sizes = []
-    for size in [1, 2, 4] + list(range(8, max_batch + 8, 8)):
+    for size in [1, 2, 4, 8, 16, 24, 32, 48, 64, 96] + list(range(128, max(max_batch, 128) + 32, 32)):
         sizes.append(size)
         if size >= max_batch:
             break
@@ -108,6 +113,8 @@ class DecodeGraphs:
         """Warm up (Triton compiles and autotunes outside the capture), then capture largest first so the
         smaller graphs reuse the largest one's memory pool."""
         start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # so the reserved-memory difference below is the graphs' pool alone
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         self.buffers.load(self._dummy_inputs(), self.max_batch)
@@ -116,14 +123,14 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
                 batch = self.buffers.batch(size)
-                for _ in range(2):
-                    self.model.forward(batch)
+                self.model.forward(batch)  # compiles and autotunes the kernels for this size
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.logits[size] = self.model.forward(batch)
                 self.graphs[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # drop what the warm-ups left in the general pool
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d decode graphs (batch 1..%d) in %.2f s, %.1f MiB", len(self.graphs), self.max_batch,

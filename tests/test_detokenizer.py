@@ -263,3 +263,18 @@ def test_each_call_decodes_only_a_small_window(tokenizer):
     assert text == tokenizer.decode(ids)
     assert max(counting.window_sizes) <= 12
     assert sum(counting.window_sizes) < 6 * len(ids)
+
+
+def test_engine_tokenizer_decode_equals_transformers_decode(default_model_dir):
+    """Tokenizer.decode skips transformers' wrapper (a per-step cost at high batch) without changing the text."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    rng = random.Random(3)
+    ids = tok.encode("Grüße, 世界! 😀 def f(x):\n\treturn x ** 2  # spaces   kept " * 4)
+    ids += [rng.randrange(tok.vocab_size) for _ in range(600)]
+    for _ in range(400):
+        a = rng.randrange(len(ids))
+        b = rng.randrange(a, min(len(ids), a + 12) + 1)
+        for skip in (True, False):
+            assert tok.decode(ids[a:b], skip) == tok.hf.decode(ids[a:b], skip_special_tokens=skip)
