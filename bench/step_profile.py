@@ -23,25 +23,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams
-from engine.cuda_graph import DecodeInputs
+from engine.cuda_graph import StepInputs
 
 
-def decode_inputs(runner, batch: int, context: int) -> DecodeInputs:
+def decode_inputs(runner, batch: int, context: int) -> StepInputs:
     """Synthetic decode inputs: ``batch`` sequences of ``context`` tokens over distinct blocks."""
     bs = runner.layout.block_size
     blocks = -(-context // bs)
     tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks) % runner.layout.num_blocks
     pos = np.full(batch, context - 1, dtype=np.int64)
     slots = tables[:, -1].astype(np.int64) * bs + (context - 1) % bs
-    return DecodeInputs(np.full(batch, 5, dtype=np.int64), pos, slots, np.full(batch, context, dtype=np.int32),
-                        tables)
+    return StepInputs(np.full(batch, 5, dtype=np.int64), pos, slots, np.arange(batch + 1, dtype=np.int32),
+                      np.full(batch, context, dtype=np.int32), tables, np.arange(batch, dtype=np.int64), True)
 
 
-def time_forward(runner, inputs: DecodeInputs, repeats: int = 20) -> tuple[float, float, float]:
+def time_forward(runner, inputs: StepInputs, repeats: int = 20) -> tuple[float, float, float]:
     """(eager host ms, eager device ms, graph device ms) medians for one decode forward."""
-    graphs = runner.decode_graphs
-    graphs.buffers.load(inputs, next(s for s in graphs.sizes if s >= inputs.num_seqs))
-    batch = graphs.buffers.batch(inputs.num_seqs)
+    graphs = runner.graphs
+    shape = graphs.shape_for(inputs)
+    batch = inputs.to_batch(runner.device)
     host, dev, graph = [], [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -54,18 +54,16 @@ def time_forward(runner, inputs: DecodeInputs, repeats: int = 20) -> tuple[float
         torch.cuda.synchronize()
         dev.append(start_evt.elapsed_time(end_evt))
         start_evt.record()
-        graphs.run(inputs)
+        graphs.run(inputs, shape)
         end_evt.record()
         torch.cuda.synchronize()
         graph.append(start_evt.elapsed_time(end_evt))
     return statistics.median(host), statistics.median(dev), statistics.median(graph)
 
 
-def profile_eager_forward(runner, inputs: DecodeInputs, repeats: int = 10) -> None:
+def profile_eager_forward(runner, inputs: StepInputs, repeats: int = 10) -> None:
     """Host profile of eager forwards (where Python and launch time goes when no graph replays)."""
-    graphs = runner.decode_graphs
-    graphs.buffers.load(inputs, next(s for s in graphs.sizes if s >= inputs.num_seqs))
-    batch = graphs.buffers.batch(inputs.num_seqs)
+    batch = inputs.to_batch(runner.device)
     runner.model.forward(batch)
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -109,7 +107,7 @@ def main() -> None:
     llm = LLM(args.model, dtype="float16", device="cuda", gpu_memory_limit=args.gpu_memory_limit,
               max_num_seqs=max(args.batch))
     runner = llm.engine.runner
-    print(f"graphs: {len(runner.decode_graphs.graphs)} sizes, captured in {runner.decode_graphs.capture_seconds:.2f} s,"
+    print(f"graphs: {len(runner.graphs.graphs)} shapes, captured in {runner.graphs.capture_seconds:.2f} s,"
           f" pool {runner.cuda_graph_pool_bytes / 2**20:.0f} MiB")
     profile_eager_forward(runner, decode_inputs(runner, 1, args.context))
     for batch in args.batch:

@@ -1,11 +1,19 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, replayed instead of ~10 launches per layer.
+"""CUDA graphs for small steps: one captured forward per padded shape, replayed instead of ~15 launches a layer.
 
-A decode step of a small model is launch-bound: SmolLM2-135M runs ~15 kernels in each of 30 layers, and eager
-PyTorch spends ~17 ms of Python per step on them (BENCHMARKS.md). A captured graph replays all launches with
-one call. Graphs bake in tensor addresses and shapes, so the step's inputs are copied into static buffers sized
-for the largest batch, a batch is padded up to the next captured size (padding rows write to slot -1, which the
-cache kernel skips, and attend to one token of block 0), and the KV cache tensors must stay put while the
-graphs live. Sizes follow vLLM: 1, 2, 4, then multiples of 8 up to ``max_num_seqs``.
+A step that moves few tokens is launch-bound: eager PyTorch + Triton spends ~0.7 ms of host time per layer
+(23 ms for a 32-layer 7B forward, BENCHMARKS.md) while the GPU needs 3.5 ms. A captured graph replays all
+launches with one call. Graphs bake in tensor addresses and shapes, so a step's inputs are copied into static
+buffers and the step is padded up to a captured shape. Two families share one memory pool:
+
+- decode graphs, one per padded batch size (1, 2, 4, 8, 16, 24, 32, 48, ...): one new token per sequence, the
+  split-KV decode attention kernel; padding rows write to slot -1 (skipped) and attend to one token of block 0;
+- ragged graphs, one per padded token count (16 .. 512): any mix of prefill chunks and decodes over at most
+  ``max_num_seqs`` sequences through the prefill attention kernel; sequences beyond the real ones have no
+  query rows and padding tokens belong to no sequence, so the kernels skip both. This is what makes a
+  prefix-cache hit or a short chat turn cost a few milliseconds instead of an eager forward.
+
+Larger steps run eagerly: their GPU time exceeds the host's launch time, so launches overlap with work.
+The KV cache tensors must stay put while the graphs live.
 """
 
 from __future__ import annotations
@@ -21,13 +29,14 @@ from engine.forward_batch import ForwardBatch
 
 log = logging.getLogger("pagoda.graphs")
 
+RAGGED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
+
 
 def capture_sizes(max_batch: int) -> list[int]:
     """Padded decode batch sizes to capture, ascending, up to the first one >= ``max_batch``.
 
     Dense where padding would cost a large share of a small batch, sparse beyond 32 rows: a padding row costs
     one token of attention and its share of the matmuls, whose weight reads dominate a large batch anyway.
-    Each size costs a warm-up forward and a capture at start-up (ten sizes for 128 rows).
     """
     sizes = []
     for size in [1, 2, 4, 8, 16, 24, 32, 48, 64, 96] + list(range(128, max(max_batch, 128) + 32, 32)):
@@ -37,120 +46,182 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-@dataclass
-class DecodeInputs:
-    """One decode step's inputs on the host (numpy), for ``num_seqs`` real sequences."""
+def ragged_sizes(max_tokens: int) -> list[int]:
+    """Padded token counts of the ragged graphs: those of RAGGED_TOKEN_SIZES within the step's token budget."""
+    return [s for s in RAGGED_TOKEN_SIZES if s <= max_tokens] or [RAGGED_TOKEN_SIZES[0]]
 
-    input_ids: np.ndarray  # [num_seqs] int64
-    positions: np.ndarray  # [num_seqs] int64
-    slot_mapping: np.ndarray  # [num_seqs] int64
-    context_lens: np.ndarray  # [num_seqs] int32
-    block_tables: np.ndarray  # [num_seqs, width] int32, width <= max_blocks
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the host: ``num_tokens`` new tokens of ``num_seqs`` sequences (numpy arrays)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [S + 1] int32
+    context_lens: np.ndarray  # [S] int32
+    block_tables: np.ndarray  # [S, W] int32
+    logits_indices: np.ndarray  # [num_sampled] int64
+    is_decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
 
     @property
     def num_seqs(self) -> int:
-        return self.input_ids.shape[0]
-
-
-class StaticDecodeBuffers:
-    """Device tensors a graph reads, and pinned host twins so one step costs two small host->device copies."""
-
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
-        self.max_batch, self.max_blocks = max_batch, max_blocks
-        # int64 rows: input_ids, positions, slot_mapping; int32: context_lens then the flattened block tables
-        self.i64 = torch.zeros((3, max_batch), dtype=torch.int64, device=device)
-        self.i32 = torch.zeros(max_batch + max_batch * max_blocks, dtype=torch.int32, device=device)
-        self.host_i64 = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=True)
-        self.host_i32 = torch.zeros(self.i32.shape[0], dtype=torch.int32, pin_memory=True)
-        self.block_tables = self.i32[max_batch:].view(max_batch, max_blocks)  # [max_batch, max_blocks]
-        self.logits_rows = torch.arange(max_batch, device=device)  # [max_batch] int64
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one token each
-
-    def batch(self, size: int) -> ForwardBatch:
-        """The static ForwardBatch a graph of ``size`` rows is captured with (views into the buffers)."""
-        return ForwardBatch(
-            input_ids=self.i64[0, :size], positions=self.i64[1, :size], slot_mapping=self.i64[2, :size],
-            block_tables=self.block_tables[:size], query_start_loc=self.query_start_loc[:size + 1],
-            context_lens=self.i32[:size], logits_indices=self.logits_rows[:size], is_decode=True)
-
-    def load(self, inputs: DecodeInputs, size: int) -> None:
-        """Copy a step's inputs in, padding rows ``num_seqs..size`` as harmless dummies."""
-        n, width = inputs.num_seqs, inputs.block_tables.shape[1]
-        host64 = self.host_i64.numpy()
-        host64[0, :n], host64[1, :n], host64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
-        host64[:2, n:size], host64[2, n:size] = 0, -1
-        host32 = self.host_i32.numpy()
-        host32[:n], host32[n:size] = inputs.context_lens, 1
-        tables = host32[self.max_batch:].reshape(self.max_batch, self.max_blocks)
-        tables[:n, :width] = inputs.block_tables
-        tables[n:size, 0] = 0
-        self.i64[:, :size].copy_(self.host_i64[:, :size], non_blocking=True)
-        # context lens + the table rows in use: one contiguous prefix would include unused rows, so two copies
-        self.i32[:size].copy_(self.host_i32[:size], non_blocking=True)
-        self.block_tables[:size].copy_(
-            self.host_i32[self.max_batch:self.max_batch + size * self.max_blocks].view(size, self.max_blocks),
-            non_blocking=True)
-
-
-class DecodeGraphs:
-    """Captured decode forwards for each padded batch size; ``run`` replays the smallest one that fits."""
-
-    def __init__(self, model, max_batch: int, max_blocks: int, device: torch.device):
-        self.model, self.device = model, device
-        self.sizes = capture_sizes(max_batch)
-        self.buffers = StaticDecodeBuffers(self.sizes[-1], max_blocks, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # size -> static [size, vocab] float32 output
-        self.pool_bytes = 0
-        self.capture_seconds = 0.0
-        self.replays = 0
+        return self.context_lens.shape[0]
 
     @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
+    def width(self) -> int:
+        return self.block_tables.shape[1]
+
+    def to_batch(self, device: torch.device) -> ForwardBatch:
+        """Device tensors for an eager forward."""
+        def dev(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+        return ForwardBatch(input_ids=dev(self.input_ids), positions=dev(self.positions),
+                            slot_mapping=dev(self.slot_mapping), block_tables=dev(self.block_tables),
+                            query_start_loc=dev(self.query_start_loc), context_lens=dev(self.context_lens),
+                            logits_indices=dev(self.logits_indices), is_decode=self.is_decode)
+
+
+class _Region:
+    """A device tensor with a pinned host twin; ``put`` stages values, ``send`` copies a prefix over."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.device_tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.host_tensor = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        self.host = self.host_tensor.numpy()
+
+    def send(self, rows: int) -> None:
+        self.device_tensor[:rows].copy_(self.host_tensor[:rows], non_blocking=True)
+
+
+class StaticBuffers:
+    """The tensors the graphs read, sized for the largest step any graph covers."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.input_ids = _Region((max_tokens,), torch.int64, device)
+        self.positions = _Region((max_tokens,), torch.int64, device)
+        self.slot_mapping = _Region((max_tokens,), torch.int64, device)
+        self.query_start_loc = _Region((max_seqs + 1,), torch.int32, device)
+        self.context_lens = _Region((max_seqs,), torch.int32, device)
+        self.block_tables = _Region((max_seqs, max_blocks), torch.int32, device)
+        self.logits_indices = _Region((max_seqs,), torch.int64, device)
+
+    def batch(self, num_tokens: int, num_seqs: int, is_decode: bool) -> ForwardBatch:
+        """The static ForwardBatch a graph is captured with (views into the buffers)."""
+        return ForwardBatch(
+            input_ids=self.input_ids.device_tensor[:num_tokens],
+            positions=self.positions.device_tensor[:num_tokens],
+            slot_mapping=self.slot_mapping.device_tensor[:num_tokens],
+            block_tables=self.block_tables.device_tensor[:num_seqs],
+            query_start_loc=self.query_start_loc.device_tensor[:num_seqs + 1],
+            context_lens=self.context_lens.device_tensor[:num_seqs],
+            logits_indices=self.logits_indices.device_tensor[:num_seqs], is_decode=is_decode)
+
+    def load(self, inputs: StepInputs, num_tokens: int, num_seqs: int) -> None:
+        """Stage a step padded to ``num_tokens`` tokens and ``num_seqs`` sequences, then copy it over."""
+        t, s, w, n = inputs.num_tokens, inputs.num_seqs, inputs.width, inputs.logits_indices.shape[0]
+        self.input_ids.host[:t], self.input_ids.host[t:num_tokens] = inputs.input_ids, 0
+        self.positions.host[:t], self.positions.host[t:num_tokens] = inputs.positions, 0
+        self.slot_mapping.host[:t], self.slot_mapping.host[t:num_tokens] = inputs.slot_mapping, -1
+        qsl = self.query_start_loc.host
+        if inputs.is_decode:  # padding rows are one-token sequences of their own
+            qsl[:num_seqs + 1] = np.arange(num_seqs + 1)
+        else:  # padding sequences own no rows; padding tokens belong to no sequence
+            qsl[:s + 1], qsl[s + 1:num_seqs + 1] = inputs.query_start_loc, t
+        self.context_lens.host[:s], self.context_lens.host[s:num_seqs] = inputs.context_lens, 1
+        self.block_tables.host[:s, :w] = inputs.block_tables
+        self.block_tables.host[s:num_seqs, 0] = 0
+        self.logits_indices.host[:n], self.logits_indices.host[n:num_seqs] = inputs.logits_indices, 0
+        for region, rows in ((self.input_ids, num_tokens), (self.positions, num_tokens),
+                             (self.slot_mapping, num_tokens), (self.query_start_loc, num_seqs + 1),
+                             (self.context_lens, num_seqs), (self.block_tables, num_seqs),
+                             (self.logits_indices, num_seqs)):
+            region.send(rows)
+
+
+class StepGraphs:
+    """Captured forwards for decode batch sizes and ragged token counts; ``run`` replays the one that fits."""
+
+    def __init__(self, model, max_seqs: int, max_tokens: int, max_blocks: int, device: torch.device):
+        self.model, self.device = model, device
+        self.decode_sizes = capture_sizes(max_seqs)
+        self.max_seqs = max_seqs
+        self.ragged_sizes = ragged_sizes(max_tokens)
+        self.buffers = StaticBuffers(max(self.decode_sizes[-1], self.ragged_sizes[-1]),
+                                     max(self.decode_sizes[-1], max_seqs), max_blocks, device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[str, int], torch.Tensor] = {}  # static [rows, vocab] float32 outputs
+        self.pool_bytes = 0
+        self.capture_seconds = 0.0
+        self.replays = {"decode": 0, "ragged": 0}
 
     def capture(self) -> None:
-        """Warm up (Triton compiles and autotunes outside the capture), then capture largest first so the
-        smaller graphs reuse the largest one's memory pool."""
+        """Warm up each shape once (Triton compiles and autotunes outside the capture), then capture it; the
+        largest shapes first so the smaller ones reuse their memory in the shared pool."""
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # so the reserved-memory difference below is the graphs' pool alone
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        self.buffers.load(self._dummy_inputs(), self.max_batch)
+        shapes = [("ragged", t) for t in reversed(self.ragged_sizes)]
+        shapes += [("decode", s) for s in reversed(self.decode_sizes)]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                batch = self.buffers.batch(size)
-                self.model.forward(batch)  # compiles and autotunes the kernels for this size
+            for kind, size in shapes:
+                batch = self._captured_batch(kind, size)
+                self.model.forward(batch)  # compiles and autotunes the kernels for this shape
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[size] = self.model.forward(batch)
-                self.graphs[size] = graph
+                    self.logits[kind, size] = self.model.forward(batch)
+                self.graphs[kind, size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # drop what the warm-ups left in the general pool
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d decode graphs (batch 1..%d) in %.2f s, %.1f MiB", len(self.graphs), self.max_batch,
-                 self.capture_seconds, self.pool_bytes / 2**20)
+        log.info("captured %d CUDA graphs (decode batch 1..%d, ragged steps of 16..%d tokens) in %.2f s, %.1f MiB",
+                 len(self.graphs), self.decode_sizes[-1], self.ragged_sizes[-1], self.capture_seconds,
+                 self.pool_bytes / 2**20)
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Replay the graph for this batch; returns logits [num_seqs, vocab] float32 (a view of static memory,
-        valid until the next replay)."""
-        n = inputs.num_seqs
-        size = next(s for s in self.sizes if s >= n)
-        self.buffers.load(inputs, size)
-        self.graphs[size].replay()
-        self.replays += 1
-        return self.logits[size][:n]
+    def shape_for(self, inputs: StepInputs) -> tuple[str, int] | None:
+        """The captured shape that covers this step, or None (run it eagerly)."""
+        if inputs.width > self.buffers.max_blocks:
+            return None
+        if inputs.is_decode and inputs.num_seqs <= self.decode_sizes[-1]:
+            return "decode", next(s for s in self.decode_sizes if s >= inputs.num_seqs)
+        if inputs.num_seqs <= self.max_seqs and inputs.num_tokens <= self.ragged_sizes[-1]:
+            return "ragged", next(t for t in self.ragged_sizes if t >= inputs.num_tokens)
+        return None
 
-    def fits(self, num_seqs: int, width: int) -> bool:
-        return num_seqs <= self.max_batch and width <= self.buffers.max_blocks
+    def run(self, inputs: StepInputs, shape: tuple[str, int]) -> torch.Tensor:
+        """Replay ``shape`` (from ``shape_for``) on this step; returns logits [num_sampled, vocab] float32, a
+        view of static memory valid until the next replay."""
+        kind, size = shape
+        rows = size if kind == "decode" else self.max_seqs
+        self.buffers.load(inputs, size, rows)
+        self.graphs[shape].replay()
+        self.replays[kind] += 1
+        return self.logits[shape][:inputs.logits_indices.shape[0]]
 
-    def _dummy_inputs(self) -> DecodeInputs:
-        n = self.max_batch
-        zeros = np.zeros(n, dtype=np.int64)
-        return DecodeInputs(zeros, zeros, np.full(n, -1, dtype=np.int64), np.ones(n, dtype=np.int32),
-                            np.zeros((n, 1), dtype=np.int32))
+    def _captured_batch(self, kind: str, size: int) -> ForwardBatch:
+        """Stage harmless dummy inputs for a shape and return its static batch."""
+        rows = size if kind == "decode" else self.max_seqs
+        one = np.ones(1, dtype=np.int32)
+        if kind == "decode":
+            dummy = StepInputs(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, -1, np.int64),
+                               np.array([0, 1], np.int32), one, np.zeros((1, 1), np.int32),
+                               np.zeros(1, np.int64), True)
+        else:  # one sequence owning all tokens, so the warm-up runs every kernel at full size
+            dummy = StepInputs(np.zeros(size, np.int64), np.arange(size, dtype=np.int64),
+                               np.full(size, -1, np.int64), np.array([0, size], np.int32),
+                               np.array([size], np.int32), np.zeros((1, self.buffers.max_blocks), np.int32),
+                               np.array([size - 1], np.int64), False)
+        self.buffers.load(dummy, size, rows)
+        return self.buffers.batch(size, rows, is_decode=kind == "decode")

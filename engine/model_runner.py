@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.block_table import BlockTableRows
 from engine.config import EngineArgs, ModelConfig, parse_bytes
-from engine.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes
+from engine.cuda_graph import StepGraphs, StepInputs, capture_sizes, ragged_sizes
 from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
 from engine.request import EngineError, Request
@@ -70,25 +70,25 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         self.model.bind_kv_caches(self.kv_caches)
         self.block_rows = BlockTableRows(self._max_blocks(max_model_len))
-        self.decode_graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
 
     def _max_blocks(self, max_model_len: int) -> int:
         return -(-max_model_len // self.args.block_size)
 
     @property
     def cuda_graph_pool_bytes(self) -> int:
-        return self.decode_graphs.pool_bytes if self.decode_graphs else 0
+        return self.graphs.pool_bytes if self.graphs else 0
 
-    def capture_decode_graphs(self, max_model_len: int) -> None:
-        """Capture decode graphs for batches up to max_num_seqs (after the KV cache exists: graphs keep its
-        addresses). A no-op on CPU, with the reference kernels, or under --enforce-eager."""
+    def capture_graphs(self, max_model_len: int) -> None:
+        """Capture CUDA graphs for decode batches up to max_num_seqs and small ragged steps (after the KV cache
+        exists: graphs keep its addresses). A no-op on CPU, with the reference kernels, or --enforce-eager."""
         if not self.use_cuda_graphs:
             return
         self.max_model_len = max_model_len
         self.block_rows = BlockTableRows(self._max_blocks(max_model_len))
-        self.decode_graphs = DecodeGraphs(self.model, self.args.max_num_seqs, self._max_blocks(max_model_len),
-                                          self.device)
-        self.decode_graphs.capture()
+        self.graphs = StepGraphs(self.model, self.args.max_num_seqs, self.args.max_num_batched_tokens,
+                                 self._max_blocks(max_model_len), self.device)
+        self.graphs.capture()
 
     # ---- KV cache sizing -------------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -120,7 +120,7 @@ class ModelRunner:
         logits = rows * self.config.vocab_size * 4 * 6  # fp16 + fp32 logits, processed copy, probs, noise
         if not self.use_cuda_graphs:
             return logits
-        graph_rows = capture_sizes(rows)[-1]
+        graph_rows = max(capture_sizes(rows)[-1], ragged_sizes(self.args.max_num_batched_tokens)[-1])
         profiled_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
         return logits + activation_peak * min(1.0, graph_rows / profiled_tokens)
 
@@ -192,21 +192,8 @@ class ModelRunner:
         return [self.block_rows.update(item.request_id, item.block_table, item.num_computed_tokens // bs)
                 for item in scheduled]
 
-    def decode_inputs(self, scheduled) -> DecodeInputs:
-        """Host inputs of a decode step (one new token per request): O(batch) Python, O(1) per request."""
-        bs = self.args.block_size
-        rows = self._table_rows(scheduled)
-        positions = [item.num_computed_tokens for item in scheduled]
-        slots = [item.block_table[p // bs] * bs + p % bs for item, p in zip(scheduled, positions)]
-        width = max(len(item.block_table) for item in scheduled)
-        return DecodeInputs(
-            input_ids=np.array([item.token_ids[0] for item in scheduled], dtype=np.int64),
-            positions=np.array(positions, dtype=np.int64), slot_mapping=np.array(slots, dtype=np.int64),
-            context_lens=np.array(positions, dtype=np.int32) + 1,
-            block_tables=self.block_rows.gather(rows, width))
-
-    def build_batch(self, scheduled) -> tuple[ForwardBatch, list[Request]]:
-        """From the scheduler's (request, num_new_tokens, block_table) list to device tensors.
+    def step_inputs(self, scheduled) -> tuple[StepInputs, list[Request]]:
+        """From the scheduler's (request, num_new_tokens, block_table) list to host arrays.
 
         Python work is O(new tokens), not O(context): only the new tokens' ids are sliced, and block tables
         come from the host rows updated by deltas (engine/block_table.py).
@@ -217,7 +204,6 @@ class ModelRunner:
         slots: list[int] = []
         starts, ctx_lens, logits_idx, to_sample = [0], [], [], []
         rows = self._table_rows(scheduled)
-        tables = self.block_rows.gather(rows, max(len(s.block_table) for s in scheduled))
         for item in scheduled:
             start, n, table = item.num_computed_tokens, item.num_new_tokens, item.block_table
             input_ids.extend(item.token_ids)
@@ -228,43 +214,39 @@ class ModelRunner:
             if item.needs_sample:  # the step completes what is known: sample the next token
                 logits_idx.append(starts[-1] - 1)
                 to_sample.append(item.request)
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+        inputs = StepInputs(
+            input_ids=np.array(input_ids, dtype=np.int64), positions=np.array(positions, dtype=np.int64),
+            slot_mapping=np.array(slots, dtype=np.int64), query_start_loc=np.array(starts, dtype=np.int32),
+            context_lens=np.array(ctx_lens, dtype=np.int32),
+            block_tables=self.block_rows.gather(rows, max(len(item.block_table) for item in scheduled)),
+            logits_indices=np.array(logits_idx, dtype=np.int64),
             is_decode=all(item.num_new_tokens == 1 for item in scheduled))
-        return batch, to_sample
+        return inputs, to_sample
+
+    def build_batch(self, scheduled) -> tuple[ForwardBatch, list[Request]]:
+        """Device tensors of a step for an eager forward."""
+        inputs, to_sample = self.step_inputs(scheduled)
+        return inputs.to_batch(self.device), to_sample
 
     def execute(self, scheduled, copy_on_write: list[tuple[int, int]]) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one forward over the scheduled tokens; sample for requests whose known tokens are all computed."""
+        """Run one forward over the scheduled tokens (a graph replay when one covers the step); sample for
+        requests whose known tokens are all computed."""
         self.copy_blocks(copy_on_write)
         if not scheduled:
             return [], None
-        if self._graph_fits(scheduled):
-            to_sample = [item.request for item in scheduled]
-            logits = self.decode_graphs.run(self.decode_inputs(scheduled))  # [num_seqs, vocab] float32
+        inputs, to_sample = self.step_inputs(scheduled)
+        shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
+        if shape is not None:
+            logits = self.graphs.run(inputs, shape)  # [num_sampled, vocab] float32
         else:
-            batch, to_sample = self.build_batch(scheduled)
-            logits = self.model.forward(batch)  # [num_sampled, vocab] float32
+            logits = self.model.forward(inputs.to_batch(self.device))  # [num_sampled, vocab] float32
         if not to_sample:
             return [], None
         return to_sample, self.sampler.sample(logits, to_sample)
 
-    def _graph_fits(self, scheduled) -> bool:
-        """A pure decode step (every request has all but its newest token cached) that a graph covers."""
-        if self.decode_graphs is None or not all(item.num_new_tokens == 1 and item.needs_sample
-                                                 for item in scheduled):
-            return False
-        return self.decode_graphs.fits(len(scheduled), max(len(item.block_table) for item in scheduled))
-
     def release(self) -> None:
         """Drop every device tensor this runner holds so the memory can go back to the device."""
-        self.decode_graphs = None
+        self.graphs = None
         self.model.kv_caches = []
         self.kv_caches = []
         self.model = None
