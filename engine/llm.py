@@ -43,7 +43,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < len(order):
-                for output in self.engine.step():
+                for output in self.engine.step(final_only=True):
                     if output.finished:
                         finished[output.request_id] = output
         except BaseException:

@@ -145,7 +145,7 @@ class LLMEngine:
             for sample in added:
                 self.scheduler.abort_request(sample.request_id)
             raise
-        detoks = [IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params.skip_special_tokens,
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                          params.stop, params.include_stop_str_in_output, min_tokens=params.min_tokens)
                   for _ in samples]
         self.groups[request_id] = RequestGroup(request_id, prompt, list(prompt_token_ids), samples, detoks)
@@ -175,8 +175,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ---- the step --------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, append sampled tokens, apply stop rules; outputs of touched groups."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run one forward, append sampled tokens, apply stop rules; outputs of touched groups.
+
+        ``final_only`` (offline generation) builds outputs for finished groups only: a cumulative output
+        copies every token id so far, which at 128 running requests was ~1 ms of host time per step.
+        """
         plan = self.scheduler.schedule()
         for req in plan.preempted:
             self.runner.forget_blocks(req.request_id)
@@ -201,7 +205,7 @@ class LLMEngine:
                 group.detokenizers[req.sample_index].flush()
                 self.counters.finished[req.finish_reason] += 1
                 touched[group.request_id] = group
-        outputs = [self._make_output(group) for group in touched.values()]
+        outputs = [self._make_output(group) for group in touched.values() if group.finished or not final_only]
         for group in touched.values():
             if group.finished:
                 del self.groups[group.request_id]

@@ -89,6 +89,10 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, self.args.max_num_seqs, self.args.max_num_batched_tokens,
                                  self._max_blocks(max_model_len), self.device)
         self.graphs.capture()
+        if self.graphs.pool_bytes > self.memory_profile.decode_reserve:
+            log.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them and sampling: the "
+                        "process may exceed its memory budget by the difference", self.graphs.pool_bytes / 2**20,
+                        self.memory_profile.decode_reserve / 2**20)
 
     # ---- KV cache sizing -------------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -113,16 +117,17 @@ class ModelRunner:
                                      reserve)
 
     def _decode_reserve_bytes(self, activation_peak: int) -> int:
-        """Memory a decode step needs beyond the profiled forward (which computed one row of logits): logits
-        and sampling temporaries for max_num_seqs rows, plus the graph pool, which keeps the activations of
-        the largest captured batch (at most the profiled peak scaled to its share of the token budget)."""
+        """Memory a step needs beyond the profiled forward (which computed one row of logits): logits and
+        sampling temporaries for max_num_seqs rows, plus the CUDA graph pool, which keeps the activations of
+        the largest captured step: the profiled peak scaled to its share of the profiled tokens, with a 1.5x
+        margin for what the pool cannot reuse between graphs (measured and logged after capture)."""
         rows = self.args.max_num_seqs
         logits = rows * self.config.vocab_size * 4 * 6  # fp16 + fp32 logits, processed copy, probs, noise
         if not self.use_cuda_graphs:
             return logits
-        graph_rows = max(capture_sizes(rows)[-1], ragged_sizes(self.args.max_num_batched_tokens)[-1])
+        graph_tokens = max(capture_sizes(rows)[-1], ragged_sizes(self.args.max_num_batched_tokens)[-1])
         profiled_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
-        return logits + activation_peak * min(1.0, graph_rows / profiled_tokens)
+        return int(logits + 1.5 * activation_peak * min(1.0, graph_tokens / profiled_tokens))
 
     def _profile_cuda(self) -> tuple[int, int]:
         """Budget from --gpu-memory-limit or --gpu-memory-utilization; activation peak of one full-budget forward."""
