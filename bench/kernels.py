@@ -71,8 +71,8 @@ def bench_ms(fn) -> float:
 def bench_graph(calls: list, reps: int = 15) -> float:
     """Median ms per call of ``calls`` (closures over distinct input sets) replayed as one CUDA graph."""
     calls = calls * max(1, -(-8 // len(calls)))  # at least 8 calls per replay to amortise the graph launch
-    for call in calls[:2]:
-        call()  # compile and autotune outside the capture
+    for call in calls:
+        call()  # compile, autotune and allocate per-weight scratch (split-K counters) outside the capture
     torch.cuda.synchronize()
     try:
         graph = torch.cuda.CUDAGraph()
@@ -149,17 +149,6 @@ def bench_w4a16(copy_bw: float, out: list, extra: list) -> None:
                 out.append(at_least(f"w4a16 M={m} {label}: speedup vs fp16 matmul", t_h / t_q, "x", 3.0))
             else:
                 out.append(at_most(f"w4a16 M={m} {label}: time / fp16 matmul", t_q / t_h, "x", 1.3))
-                if m <= 1024:
-                    t_tc = bench_graph(
-                        [partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="tc") for p in packed]
-                    )
-                    t_dq = bench_graph(
-                        [partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="dequant") for p in packed[:2]]
-                    )
-                    extra.append(
-                        info(f"w4a16 M={m} {label}: fused tl.dot path / fp16 matmul", t_tc / t_h, "x")
-                    )
-                    extra.append(info(f"w4a16 M={m} {label}: dequant+cuBLAS / fp16 matmul", t_dq / t_h, "x"))
             extra.append(info(f"w4a16 M={m} {label}: time", t_q * 1e3, "us"))
             extra.append(info(f"fp16 matmul M={m} {label}: time", t_h * 1e3, "us"))
 
@@ -288,61 +277,61 @@ def bench_small_ops(copy_bw: float, out: list) -> None:
     )
 
 
+PLANES_SWEEP = [  # (BLOCK_N, warps, stages, programs per SM (sets split-K), serial reduce, reused counters)
+    (128, 4, 3, 2, True, True),
+    (128, 4, 3, 4, True, True),
+    (256, 4, 3, 1, True, True),
+    (256, 4, 3, 2, True, True),
+    (256, 4, 3, 4, True, True),
+    (256, 8, 3, 2, True, True),
+    (256, 8, 3, 4, True, True),
+    (128, 4, 4, 4, True, True),
+    (128, 4, 3, 4, False, True),
+    (128, 4, 3, 4, True, False),
+    (64, 4, 3, 4, True, True),
+]
+
+
+def planes_cfg(m: int, n: int, k: int, bn: int, warps: int, stages: int, per_sm: int, serial: bool,
+               reuse_lock: bool, sms: int) -> dict:
+    tiles = -(-n // bn)
+    split = max(1, min(k // 128, -(-per_sm * sms // tiles), 64))
+    return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": warps, "num_stages": stages,
+            "split": split, "serial": serial, "reuse_lock": reuse_lock}
+
+
 def sweep(copy_bw: float, path: str) -> None:
-    """Times tile/split variants; writes {kernel: [{config, us, frac}]} to ``path`` after each kernel."""
-    found: dict = {"w4a16_gemv": []}
-    m1 = [
-        ("m1", bn, bk, wp, st, sp, sa)
-        for bn, bk, wp, st, sp, sa in [
-            (64, 128, 4, 4, 2, False),
-            (64, 128, 4, 4, 4, False),
-            (64, 128, 4, 4, 4, True),
-            (32, 128, 4, 4, 4, False),
-            (128, 128, 4, 4, 4, False),
-            (64, 128, 4, 4, 8, False),
-            (128, 128, 8, 3, 2, False),
-        ]
-    ]
-    dot = [
-        ("dot", bn, bk, wp, st, sp, sa)
-        for bn, bk, wp, st, sp, sa in [
-            (64, 128, 4, 4, 2, True),
-            (64, 128, 4, 4, 4, True),
-            (32, 128, 4, 4, 4, True),
-            (128, 128, 4, 4, 4, True),
-            (64, 128, 4, 3, 8, True),
-        ]
-    ]
+    """Times planes-kernel variants at M = 1 and 16 against cuBLAS; writes
+    {"w4a16_planes": [{shape, m, config, us, frac, vs_fp16}]} to ``path`` after each shape."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    found: dict = {"w4a16_planes": []}
     for label, (k, n) in W4A16_SHAPES.items():
         packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
+        dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
         for m in (1, 16):
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
-            for kind, bn, bk, wp, st, sp, sa in m1 + dot if m == 1 else dot:
-                cfg = {
-                    "kernel": kind,
-                    "BLOCK_N": bn,
-                    "BLOCK_K": bk,
-                    "num_warps": wp,
-                    "num_stages": st,
-                    "split": sp,
-                    "SCALE_AFTER": sa,
-                }
+            t_h = bench_graph([partial(torch.matmul, x, w) for w in dense])
+            variants = [planes_cfg(m, n, k, *v, sms=sms) for v in PLANES_SWEEP]
+            for cfg in variants:
                 try:
                     ms = bench_graph(
-                        [
-                            partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="gemv", config=cfg)
-                            for p in packed
-                        ]
+                        [partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="planes", config=cfg) for p in packed]
                     )
                     frac = int4_bytes(m, k, n) / ms / 1e6 / copy_bw
-                    found["w4a16_gemv"].append(
-                        {"shape": label, "m": m, "config": cfg, "us": ms * 1e3, "frac": frac}
-                    )
+                    found["w4a16_planes"].append({"shape": label, "m": m, "config": cfg, "us": ms * 1e3,
+                                                  "frac": frac, "vs_fp16": t_h / ms, "fp16_us": t_h * 1e3})
                 except Exception as exc:  # noqa: BLE001 (a variant that fails to compile is skipped)
-                    found["w4a16_gemv"].append(
-                        {"shape": label, "m": m, "config": cfg, "error": repr(exc)[:200]}
-                    )
+                    found["w4a16_planes"].append({"shape": label, "m": m, "config": cfg, "error": repr(exc)[:300]})
         Path(path).write_text(json.dumps(found, indent=1))
+        best = {}
+        for r in found["w4a16_planes"]:
+            if r["shape"] == label and "us" in r:
+                key = r["m"]
+                if key not in best or r["us"] < best[key]["us"]:
+                    best[key] = r
+        for key, r in sorted(best.items()):
+            print(f"sweep {label} M={key}: best {r['us']:.2f} us frac {r['frac']:.3f} x{r['vs_fp16']:.2f} "
+                  f"vs fp16 ({r['fp16_us']:.1f} us) {r['config']}", flush=True)
 
 
 def write_json(path: str, date: str, copy_bw: float, results: list[Result], extra: list[Result]) -> None:
@@ -364,7 +353,16 @@ def main() -> None:
     parser.add_argument("--sweep", default=None, help="also time config variants and write them here")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--only", default="small,decode,prefill,w4a16", help="comma-separated sections")
+    parser.add_argument("--ncu", default=None, help="K,N,M: only launch the default W4A16 path 30 times (for ncu)")
     args = parser.parse_args()
+    if args.ncu:
+        k, n, m = (int(v) for v in args.ncu.split(","))
+        x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+        weights = random_int4(k, n)
+        for _ in range(30):
+            triton_ops.w4a16_matmul(x, *weights, GROUP)
+        torch.cuda.synchronize()
+        return
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"card {torch.cuda.get_device_name()}  copy bandwidth {copy_bw:.0f} GB/s", flush=True)
@@ -376,7 +374,7 @@ def main() -> None:
         "prefill": lambda: bench_prefill(results, extra),
         "w4a16": lambda: bench_w4a16(copy_bw, results, extra),
     }
-    for name in args.only.split(","):
+    for name in filter(None, args.only.split(",")):
         try:
             sections[name]()
         except Exception:  # noqa: BLE001 (report the section as failed, run the rest)

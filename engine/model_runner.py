@@ -16,7 +16,7 @@ from engine.cuda_graph import StepGraphs, StepInputs, capture_sizes, ragged_size
 from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
 from engine.request import EngineError, Request
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import PendingSample, Sampler, SamplerOutput
 from kernels.ops import Backend
 
 log = logging.getLogger("pagoda.runner")
@@ -51,6 +51,17 @@ class MemoryProfile:
     activation_peak: int  # measured: one forward at the full token budget
     kv_cache: int
     decode_reserve: int = 0  # estimated: decode logits + sampling at max_num_seqs rows, CUDA graph pool
+
+
+@dataclass
+class PendingStep:
+    """A launched step: ``result()`` waits for the sampled tokens of ``to_sample`` (None: nothing sampled)."""
+
+    to_sample: list[Request]
+    sample: PendingSample | None
+
+    def result(self) -> tuple[list[Request], SamplerOutput | None]:
+        return self.to_sample, (self.sample.result() if self.sample is not None else None)
 
 
 class ModelRunner:
@@ -234,11 +245,15 @@ class ModelRunner:
         return inputs.to_batch(self.device), to_sample
 
     def execute(self, scheduled, copy_on_write: list[tuple[int, int]]) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one forward over the scheduled tokens (a graph replay when one covers the step); sample for
-        requests whose known tokens are all computed."""
+        """Run one step and wait for its sampled tokens (see ``launch``)."""
+        return self.launch(scheduled, copy_on_write).result()
+
+    def launch(self, scheduled, copy_on_write: list[tuple[int, int]]) -> "PendingStep":
+        """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
+        sampling of requests whose known tokens are all computed; the device works while the caller goes on."""
         self.copy_blocks(copy_on_write)
         if not scheduled:
-            return [], None
+            return PendingStep([], None)
         inputs, to_sample = self.step_inputs(scheduled)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
@@ -246,8 +261,8 @@ class ModelRunner:
         else:
             logits = self.model.forward(inputs.to_batch(self.device))  # [num_sampled, vocab] float32
         if not to_sample:
-            return [], None
-        return to_sample, self.sampler.sample(logits, to_sample)
+            return PendingStep([], None)
+        return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample))
 
     def release(self) -> None:
         """Drop every device tensor this runner holds so the memory can go back to the device."""

@@ -49,6 +49,26 @@ def validate_for_vocab(params: SamplingParams, vocab_size: int) -> None:
                               param="stop_token_ids")
 
 
+class PendingSample:
+    """A step's sampled token ids on their way to the host (``result`` waits for them and adds logprobs)."""
+
+    def __init__(self, logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]):
+        self._logits, self._token_ids, self._requests = logits, token_ids, requests  # [n, vocab], [n]
+        self._event = None
+        if token_ids.is_cuda:  # a non-blocking copy lands in pinned memory; the event says when
+            self._host_ids = token_ids.to("cpu", non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host_ids = token_ids
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        logprobs = _gather_logprobs(self._logits, self._token_ids, self._requests)
+        return SamplerOutput(self._host_ids.tolist(), logprobs)
+
+
 class Sampler:
     """Owns the random state of sampling: one generator per device for unseeded rows, one per seeded request."""
 
@@ -69,6 +89,12 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Pick one token per row. ``logits`` is not modified."""
+        return self.sample_async(logits, requests).result()
+
+    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSample":
+        """Queue the sampling work; the token ids travel to the host without blocking the caller, so the
+        engine can do the previous step's text work while the device computes. ``logits`` must stay valid
+        until ``result()`` (the logprobs are read from it then)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} must be [num_seqs={len(requests)}, vocab]")
         logits = logits.float()  # [num_seqs, vocab]
@@ -79,8 +105,7 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             chosen = self._sample_rows(processed[rows], [requests[i] for i in random_rows])
             token_ids[rows] = chosen
-        logprobs = _gather_logprobs(logits, token_ids, requests)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return PendingSample(logits, token_ids, requests)
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then the exponential race. ``logits``: [n, vocab], owned."""

@@ -25,9 +25,14 @@ def triton_available() -> bool:
 
 @dataclass(frozen=True)
 class Backend:
-    """Which implementation each op uses. ``use_triton`` False means the plain-torch reference everywhere."""
+    """Which implementation each op uses. ``use_triton`` False means the plain-torch reference everywhere.
+
+    ``triton_ops`` narrows Triton to the named ops (e.g. ``frozenset({"rms_norm"})``), the rest use the
+    reference: bench/numerics.py uses it to find which kernel moves the logits. None means every op.
+    """
 
     use_triton: bool
+    triton_ops: frozenset[str] | None = None
 
     @staticmethod
     def for_device(device: torch.device | str, force_reference: bool = False) -> "Backend":
@@ -41,23 +46,30 @@ class Backend:
             return triton_ops
         return reference
 
+    def _for(self, op: str):
+        if self.triton_ops is not None and op not in self.triton_ops:
+            return reference
+        return self.impl
+
     def rms_norm(self, x, weight, eps, residual=None):
-        return self.impl.rms_norm(x, weight, eps, residual)
+        return self._for("rms_norm").rms_norm(x, weight, eps, residual)
 
     def silu_and_mul(self, x):
-        return self.impl.silu_and_mul(x)
+        return self._for("silu_and_mul").silu_and_mul(x)
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache):
-        return self.impl.rotary_embedding(positions, q, k, cos_sin_cache)
+        return self._for("rotary_embedding").rotary_embedding(positions, q, k, cos_sin_cache)
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping):
-        return self.impl.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return self._for("reshape_and_cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
-        return self.impl.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+        return self._for("paged_attention").paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                            context_lens, scale)
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        return self.impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return self._for("paged_decode_attention").paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                                          context_lens, scale)
 
     def w4a16_matmul(self, x, qweight, scales, zeros, group_size, perm=None):
-        return self.impl.w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
+        return self._for("w4a16_matmul").w4a16_matmul(x, qweight, scales, zeros, group_size, perm)

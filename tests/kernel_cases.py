@@ -214,6 +214,38 @@ def check_w4a16(
     )
 
 
+PLANES_VARIANTS = {
+    # split-K partials summed by the last program (one launch), by a reduce kernel, or no split at all
+    "serial": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "split": 4,
+               "serial": True},
+    "reduce": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "split": 3,
+               "serial": False},
+    "no-split": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "split": 1,
+                 "serial": True},
+    "wide": {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "split": 2,
+             "serial": True},
+}
+
+
+def check_w4a16_planes(device: str, dtype: torch.dtype, m: int, k: int, n: int, group_size: int,
+                       act_order: bool, variant: str) -> None:
+    """The nibble-plane tensor-core kernel (kernels/triton/w4a16_planes.py) with a forced tile and split."""
+    from kernels.triton.w4a16 import w4a16_matmul
+
+    cfg = dict(PLANES_VARIANTS[variant])
+    if INTERPRET:
+        cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_stages=1)
+    qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    perm = torch.randperm(k, device=device) if act_order else None
+    poison(device, m * n * x.element_size())
+    out = w4a16_matmul(x, qweight, scales, zeros, group_size, perm, path="planes", config=cfg)
+    exp = ref.w4a16_matmul(
+        x.double() if device == "cpu" else x.float(), qweight, scales, zeros, group_size, perm
+    ).to(dtype)
+    assert_rel(out, exp, TOL[dtype]["matmul"], f"w4a16 planes {variant} M={m} K={k} N={n} G={group_size}")
+
+
 # ---- small cases for the CPU interpreter (run by tests/test_kernels.py with TRITON_INTERPRET=1) ----
 
 CPU_DTYPES = [torch.float16, torch.float32]
@@ -272,6 +304,30 @@ def test_prefill_attention(dtype, block_size):
 )
 def test_w4a16(dtype, m, group_size, act_order):
     check_w4a16("cpu", dtype, m, 256, 48, group_size, act_order)
+
+
+@pytest.mark.parametrize(
+    "m,group_size,act_order,variant",
+    [(1, 128, False, "serial"), (3, 256, True, "reduce"), (16, 128, False, "no-split"), (2, 128, True, "wide")],
+)
+def test_w4a16_planes(m, group_size, act_order, variant):
+    check_w4a16_planes("cpu", torch.float16, m, 512, 48, group_size, act_order, variant)
+
+
+def test_w4a16_planes_split_counters_survive_repeated_calls():
+    """The serial split-K counters live on the weight and are reused: calls with different split counts on one
+    weight (as M changes between steps) must each find their last program and write every output."""
+    from kernels.triton.w4a16 import w4a16_matmul
+    from kernels.triton.w4a16_planes import LOCK_ATTR
+
+    qweight, scales, zeros = random_int4("cpu", torch.float16, 1024, 32, 128)
+    for split in (4, 3, 8, 4):
+        cfg = {**PLANES_VARIANTS["serial"], "split": split, "BLOCK_N": 32, "num_stages": 1}
+        x = torch.randn(2, 1024, dtype=torch.float16)
+        out = w4a16_matmul(x, qweight, scales, zeros, 128, path="planes", config=cfg)
+        exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 128).to(torch.float16)
+        assert_rel(out, exp, TOL[torch.float16]["matmul"], f"planes serial split {split}, reused counters")
+    assert int(getattr(qweight, LOCK_ATTR).remainder(1024).abs().sum()) == 0  # left at multiples of the period
 
 
 @pytest.mark.parametrize("group_size", [32, 128])

@@ -159,3 +159,13 @@ def test_gpu_w4a16_7b_shapes(dtype, m, k, n):
 def test_gpu_w4a16_group_sizes_and_act_order(m, group_size, act_order):
     k = 4096
     _cases().check_w4a16("cuda", torch.float16, m, k, 4096, k if group_size == -1 else group_size, act_order)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["serial", "reduce", "no-split", "wide"])
+@pytest.mark.parametrize("m,act_order", [(1, False), (5, True), (16, False)])
+def test_gpu_w4a16_planes_variants(dtype, variant, m, act_order):
+    # N = 4144 is not a multiple of any tile width: the edge tile's masks are exercised
+    _cases().check_w4a16_planes("cuda", dtype, m, 4096, 4144, 128, act_order, variant)

@@ -2,12 +2,14 @@
 
 Layout (kernels/reference.py): qweight [K // 8, N] int32, nibble j of row r is input row 8r + j; scales and
 zeros [K // G, N] in the activation dtype; w = (code - zero) * scale; optional ``perm`` gathers x's columns.
-Three paths, picked by M (rows of x):
-- M <= 16, ``gemv``: split-K across programs so enough of them stream the packed weights to fill the GPU;
-  fp32 split partials are summed by ``_splitk_reduce_kernel``. The packed tile [BLOCK_K // 8, BLOCK_N] stays
-  in registers: nibble j of packed row r meets input row 8r + j (``J_LOOP``), so no unpack-reshape (a layout
-  shuffle through shared memory) is needed. M == 1 uses fp32 FMAs (``_gemv_m1_kernel``); 2..16 rows one
-  16-row ``tl.dot`` per nibble with the scale applied once per group after the sum.
+Paths, picked by M (rows of x):
+- M <= 16, fp16/bf16, group size a multiple of 128: ``planes`` (kernels/triton/w4a16_planes.py), the packed
+  words as tensor-core operands one nibble plane at a time, split-K reduced in the same launch.
+- other M <= 16 cases (group sizes 32/64, fp32 activations), ``gemv``: split-K across programs so enough of
+  them stream the packed weights; fp32 split partials are summed by ``_splitk_reduce_kernel``. The packed tile
+  [BLOCK_K // 8, BLOCK_N] stays in registers: nibble j of packed row r meets input row 8r + j (``J_LOOP``).
+  M == 1 uses fp32 FMAs (``_gemv_m1_kernel``); 2..16 rows one 16-row ``tl.dot`` per nibble with the scale
+  applied once per group after the sum.
 - 16 < M < ``DEQUANT_MIN_M``: tensor-core tiles; each K step unpacks a [BLOCK_K, BLOCK_N] weight tile in
   registers, dequantizes it and feeds ``tl.dot``. Autotuned over a few configs per (M bucket, N, K).
 - M >= ``DEQUANT_MIN_M``: dequantize once to a dense buffer and use torch.matmul (cuBLAS): measured faster
@@ -23,8 +25,10 @@ import triton
 import triton.language as tl
 
 from kernels.triton.common import cdiv, interpreting, launch, next_pow2, num_sms
+from kernels.triton.w4a16_planes import planes_config, planes_matmul, planes_supported
 
 DEQUANT_MIN_M = 128
+PLANES_MAX_M = 16
 
 
 @triton.jit
@@ -363,7 +367,8 @@ def w4a16_matmul(
     config: dict | None = None,
 ) -> torch.Tensor:
     # x: [M, K] fp16/bf16; qweight: [K // 8, N] int32; scales, zeros: [K // G, N]; perm: [K] -> y [M, N]
-    # path: None picks by M; "gemv", "tc" or "dequant" force one; config: a gemv tile (both for benchmarks)
+    # path: None picks by M; "planes", "gemv", "tc" or "dequant" force one; config: a planes or gemv tile
+    # (both for benchmarks)
     m, k = x.shape
     n = qweight.shape[1]
     group_size = k if group_size <= 0 else group_size
@@ -382,15 +387,21 @@ def w4a16_matmul(
     zeros = zeros.to(x.dtype).contiguous()
     qweight = qweight.contiguous()
     if path is None:
-        path = "gemv" if m <= 16 else ("dequant" if m >= DEQUANT_MIN_M and not interpreting() else "tc")
+        path = _pick_path(x, m, k, group_size)
     if path == "dequant":
         xp = x if perm is None else x[:, perm]
         return torch.matmul(xp, dequantize(qweight, scales, zeros, group_size))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    args = (qweight, scales, zeros, perm if perm is not None else qweight)
     sms = num_sms(x.device)
+    if path == "planes":
+        cfg = dict(config or planes_config(m, n, k, sms))
+        if interpreting():
+            cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_warps=4, num_stages=1)
+        planes_matmul(x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
+        return out
+    args = (qweight, scales, zeros, perm if perm is not None else qweight)
     if path == "gemv":
         split = _gemv(
             x,
@@ -412,6 +423,15 @@ def w4a16_matmul(
             parts, out, m * n, n, splits, out.stride(0), BLOCK=block, num_warps=4
         )
     return out
+
+
+def _pick_path(x: torch.Tensor, m: int, k: int, group_size: int) -> str:
+    """planes (tensor-core nibble planes) for M <= PLANES_MAX_M where it applies, else the older paths."""
+    if m <= PLANES_MAX_M and planes_supported(x, group_size, k):
+        return "planes"
+    if m <= 16:
+        return "gemv"
+    return "dequant" if m >= DEQUANT_MIN_M and not interpreting() else "tc"
 
 
 def _gemv(x, args, out, m, n, k, group_size, has_perm, cfg):

@@ -1,0 +1,280 @@
+"""W4A16 matmul by nibble planes on tensor cores: the packed words never leave the thread that loaded them.
+
+Why (BENCHMARKS.md, Kernels): the earlier GEMV kernels spent 10-14 instructions per weight (x reloads, address
+math, an unpack per nibble, converts), so they ran at the issue rate, not at memory bandwidth. Here:
+- The packed tile qw [BLOCK_K // 8, BLOCK_N] is the B operand of 8 small dots, one per nibble j ("plane" j:
+  row r of the plane is input row 8r + j), so the tile is converted to the tensor-core layout once, as int32,
+  and every nibble is unpacked in the registers that hold it.
+- Byte b of two packed rows becomes two fp16x2 registers with one PRMT and two LOP3 (``_unpack_byte``): the
+  nibble ORed into the mantissa of 1024 (even nibble: 1024 + code; odd nibble, masked in place: 1024 + 16 *
+  code, its x plane pre-divided by 16, exact). bf16 uses 128 + code and one shift more.
+- The magic offsets and the zero point come out per group and row of x, not per weight:
+  sum_k x_k (c_k - z) s = (acc - 1024 sum_even x - 64 sum_odd x - z sum_k x) * s, acc the fp32 tensor-core
+  sum (fp16 products are exact in fp32; the offsets cost ~1e-5 relative error).
+- x is loaded as one contiguous [BLOCK_M, BLOCK_K] tile and split into its 8 planes in registers; that tile
+  and the group's scales and zeros (from HBM) are loaded one K step ahead (cp.async stages only the packed
+  tile, and these loads were on the critical path of every step).
+- Split-K partials are reduced in the same launch: each program stores its fp32 partial, takes a ticket from a
+  per-column-tile counter, and the last one sums the partials and writes the output (no second kernel, no
+  memset, no host sync). The counters live on the weight tensor (``_lock_buffer``) and are left at a multiple
+  of LOCK_PERIOD after every call, so the launch is CUDA-graph safe and needs no per-call zeroing.
+
+Every K step lies in one quantization group (BLOCK_K divides the group size); group sizes that are not a
+multiple of 128 and fp32 activations use the older kernels in w4a16.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOCK_PERIOD: tl.constexpr = tl.constexpr(1024)  # split-K counters advance by this per call (a power of 2 >= splits)
+LOCK_ATTR = "_pagoda_planes_lock"
+
+
+@triton.jit
+def _unpack_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """Byte B of every packed word -> (lo, hi) in DTYPE: fp16 (1024 + nibble 2B, 1024 + 16 * nibble 2B+1: the
+    odd nibble is masked in place, its x plane is pre-divided by 16), bf16 (128 + nibble 2B, 128 + nibble 2B+1).
+    Elementwise; the asm handles two words per PRMT and leaves each pair in one 32-bit register, as the
+    tensor-core operand wants it."""
+    if USE_ASM:
+        # prmt: byte B of the first word -> byte 0, byte B of the second word -> byte 2 (selector 0x4400 + B * 0x1111)
+        if DTYPE == tl.float16:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="{ .reg .b32 t; prmt.b32 t, $2, $3, %d; "  # noqa: UP031 (constexpr)
+                "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, t, 0x00F000F0, 0x64006400, 0xEA; }"
+                % (0x4400 + B * 0x1111),
+                constraints="=r,=r,r,r", args=[qw], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+            )
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="{ .reg .b32 t, u; prmt.b32 t, $2, $3, %d; shr.b32 u, t, 4; "  # noqa: UP031 (constexpr)
+                "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, u, 0x000F000F, 0x43004300, 0xEA; }"
+                % (0x4400 + B * 0x1111),
+                constraints="=r,=r,r,r", args=[qw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+            )
+    else:  # the interpreter has no inline asm: the same values with plain integer ops
+        t = qw >> (8 * B)
+        if DTYPE == tl.float16:
+            lo = ((t & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            hi = ((t & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            lo = ((t & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (((t >> 4) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _x_cols(perm_ptr, cols, HAS_PERM: tl.constexpr, live):
+    # input rows (columns of x) to read for weight rows ``cols``: perm[cols] under GPTQ act-order
+    if HAS_PERM:
+        return tl.load(perm_ptr + cols, mask=live, other=0).to(tl.int32)
+    return cols
+
+
+@triton.jit
+def _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k0, k_end, kk, rn, m_mask, n_mask, N, GROUP_SIZE,
+                   HAS_PERM: tl.constexpr):
+    # the x tile [BLOCK_M, BLOCK_K] and the fp32 scales / zeros [BLOCK_N] of the K step at k0 (zeros past k_end)
+    live_k = (k0 + kk) < k_end  # [BLOCK_K] (tensor masks only: the interpreter mistypes scalar-bool & tensor)
+    live_n = n_mask & ((k0 + rn * 0) < k_end)  # [BLOCK_N]
+    xt = tl.load(x_rows + _x_cols(perm_ptr, k0 + kk, HAS_PERM, live_k)[None, :],
+                 mask=m_mask[:, None] & live_k[None, :], other=0.0)
+    g = k0 // GROUP_SIZE  # (K // G) * N stays far below 2**31
+    s = tl.load(scales_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.float32)
+    return xt, s, z
+
+
+@triton.jit
+def _planes_kernel(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    perm_ptr,
+    out_ptr,
+    part_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    splits,
+    lock_rest,
+    stride_xm,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    SERIAL: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x [M, K] @ W [K, N]; grid = (m tiles * n tiles, splits). splits == 1: out [M, N] directly; else fp32
+    # partials [splits, M, N] in part_ptr, summed by the last program of each tile (SERIAL) or by a reduce kernel
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    if dtype == tl.float16:
+        MAGIC: tl.constexpr = 1024.0  # even planes: 1024 + code; odd planes: 1024 + 16 * code times x / 16
+        MAGIC_ODD: tl.constexpr = 64.0
+        ODD_SCALE: tl.constexpr = 0.0625
+    else:
+        MAGIC: tl.constexpr = 128.0  # 128 + code in both planes
+        MAGIC_ODD: tl.constexpr = 128.0
+        ODD_SCALE: tl.constexpr = 1.0
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    rr = tl.arange(0, BLOCK_K // 8)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    kk = tl.arange(0, BLOCK_K)
+    qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # software prefetch (one K step ahead, in registers) of what the tensor-core pipeline does not stage through
+    # shared memory: the x tile, and the group's scales and zeros. Loaded at first use they put an L2 / HBM
+    # round trip on every K step (measured: time followed K steps per program, not bytes). Two steps ahead
+    # measured slower (more registers, fewer programs per SM): BENCHMARKS.md, Kernels.
+    xt, s, z = _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k_start, k_end, kk, rn, m_mask, n_mask,
+                              N, GROUP_SIZE, HAS_PERM)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        qw = tl.load(qw_ptrs, mask=n_mask[None, :], other=0)  # [BLOCK_K // 8, BLOCK_N] int32
+        xt_next, s_next, z_next = _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k0 + BLOCK_K, k_end,
+                                                 kk, rn, m_mask, n_mask, N, GROUP_SIZE, HAS_PERM)
+        x_even, x_odd = tl.split(tl.reshape(xt.to(tl.float32), [BLOCK_M, BLOCK_K // 2, 2]))
+        sum_even = tl.sum(x_even, axis=1)  # [BLOCK_M]
+        sum_odd = tl.sum(x_odd, axis=1)
+        # planes of the x tile: column 8r + j of xt is row r of plane j (j = 4 * j2 + 2 * j1 + j0)
+        x5 = tl.reshape(xt, [BLOCK_M, BLOCK_K // 8, 2, 2, 2])
+        xa, xb = tl.split(x5)  # j0 = 0 / 1
+        xa0, xa1 = tl.split(xa)  # j1
+        xb0, xb1 = tl.split(xb)
+        x0, x4 = tl.split(xa0)  # j2
+        x2, x6 = tl.split(xa1)
+        x1, x5_ = tl.split(xb0)
+        x3, x7 = tl.split(xb1)
+        if ODD_SCALE != 1.0:  # exact (powers of two); values under 2^-10 lose bits, ~1e-8 absolute
+            x1 = x1 * ODD_SCALE
+            x3 = x3 * ODD_SCALE
+            x5_ = x5_ * ODD_SCALE
+            x7 = x7 * ODD_SCALE
+        part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        lo, hi = _unpack_byte(qw, 0, dtype, USE_ASM)
+        part = tl.dot(x0, lo, part)
+        part = tl.dot(x1, hi, part)
+        lo, hi = _unpack_byte(qw, 1, dtype, USE_ASM)
+        part = tl.dot(x2, lo, part)
+        part = tl.dot(x3, hi, part)
+        lo, hi = _unpack_byte(qw, 2, dtype, USE_ASM)
+        part = tl.dot(x4, lo, part)
+        part = tl.dot(x5_, hi, part)
+        lo, hi = _unpack_byte(qw, 3, dtype, USE_ASM)
+        part = tl.dot(x6, lo, part)
+        part = tl.dot(x7, hi, part)
+        # part = sum_k x_k c_k + MAGIC * sum_even + MAGIC_ODD * sum_odd: remove the offsets and the zero point
+        corr = (MAGIC * sum_even + MAGIC_ODD * sum_odd)[:, None] + (sum_even + sum_odd)[:, None] * z[None, :]
+        acc += (part - corr) * s[None, :]
+        xt, s, z = xt_next, s_next, z_next
+        qw_ptrs += (BLOCK_K // 8) * N
+    mask = m_mask[:, None] & n_mask[None, :]
+    if splits == 1:
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(dtype), mask=mask)
+    else:
+        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
+        if SERIAL:
+            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
+            # counters start each call at a multiple of LOCK_PERIOD (> any split count), so the ticket's
+            # remainder tells the order of arrival; the last program rounds the counter up to the next multiple
+            ticket = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if (ticket & (LOCK_PERIOD - 1)) == splits - 1:  # (& not %: int32 wraps after 2M calls)
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for sk in range(splits):
+                    total += tl.load(part_ptr + sk * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], total.to(dtype), mask=mask)
+                tl.atomic_add(lock_ptr + pid, lock_rest, sem="relaxed", scope="gpu")
+
+
+def planes_supported(x: torch.Tensor, group_size: int, k: int) -> bool:
+    """fp16/bf16 activations and K steps of 128 rows inside one group."""
+    return x.dtype in (torch.float16, torch.bfloat16) and group_size % 128 == 0 and k % 128 == 0
+
+
+def planes_config(m: int, n: int, k: int, sms: int) -> dict:
+    """Tile and split-K, the best of ``bench/kernels.py --sweep`` on the H200 (BENCHMARKS.md, Kernels):
+    128 columns per program and split-K to ~2 programs per SM (doubled while N has fewer tiles than SMs);
+    with more than 4 rows and N <= 8192, 64 columns and ~4 programs per SM. Fewer programs leave HBM latency
+    exposed; more lengthen the last program's sum of the partials."""
+    block_n = 64 if m > 4 and n <= 8192 else 128
+    tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)
+    if block_n == 64:
+        split = triton.cdiv(4 * sms, tiles)
+    else:
+        split = triton.cdiv(2 * sms, tiles)
+        if split < 4 and tiles < sms:
+            split *= 2
+    split = max(1, min(split, k // 256, 64))
+    return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+            "split": split, "serial": True}
+
+
+def _lock_buffer(qweight: torch.Tensor, tiles: int, reuse: bool) -> torch.Tensor:
+    """Split-K arrival counters, int32 [tiles]. Kept on the weight tensor (one per layer, so engines and layers
+    never share one; calls on one weight run in stream order): the kernel leaves every counter at a multiple
+    of LOCK_PERIOD, so it needs zeroing only when first made (a memset, also fine inside graph capture). The
+    stored buffer is never replaced (a captured graph may hold it); a launch that needs more tiles than it has
+    (forced tiles for M > 16 in benchmarks) gets fresh zeroed counters of its own."""
+    lock = getattr(qweight, LOCK_ATTR, None) if reuse else None
+    if reuse and lock is None:
+        lock = torch.zeros((max(tiles, triton.cdiv(qweight.shape[1], 32)),), dtype=torch.int32,
+                           device=qweight.device)
+        setattr(qweight, LOCK_ATTR, lock)
+    if lock is None or lock.numel() < tiles:
+        lock = torch.zeros((tiles,), dtype=torch.int32, device=qweight.device)
+    return lock
+
+
+def planes_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, perm: torch.Tensor | None, out: torch.Tensor, cfg: dict,
+                  interpret: bool = False) -> None:
+    """Launch into ``out`` [M, N]; cfg from ``planes_config`` (BLOCK_*, num_warps, num_stages, split, serial)."""
+    from kernels.triton.w4a16 import _splitk_reduce_kernel
+
+    m, k = x.shape
+    n = qweight.shape[1]
+    cfg = dict(cfg)
+    split, serial = cfg.pop("split"), cfg.pop("serial")
+    reuse_lock = cfg.pop("reuse_lock", True)
+    block_k = cfg["BLOCK_K"]
+    units = k // block_k
+    split = max(1, min(split, units))
+    per = triton.cdiv(units, split) * block_k
+    split = triton.cdiv(k, per)
+    serial = serial and split <= LOCK_PERIOD.value
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        lock = _lock_buffer(qweight, tiles, reuse_lock) if serial else part
+    else:
+        part = lock = out  # unused
+    _planes_kernel[(tiles, split)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, out, part, lock,
+        m, n, k, per, split, LOCK_PERIOD.value - split, x.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, HAS_PERM=perm is not None, SERIAL=bool(serial and split > 1), USE_ASM=not interpret,
+        **cfg,
+    )
+    if split > 1 and not serial:
+        block = 1024 if not interpret else 256
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, out, m * n, n, split, out.stride(0), BLOCK=block, num_warps=4
+        )
