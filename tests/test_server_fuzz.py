@@ -109,7 +109,9 @@ def test_fuzzed_requests_never_5xx(http, statuses, case):
 
 def test_the_fuzz_reached_both_the_validators_and_the_engine(statuses):
     assert sum(statuses.values()) >= 300
-    assert statuses[200] >= 20 and statuses[400] >= 100, statuses  # valid mutations ran through the engine too
+    # valid mutations ran through the engine too. Which 300 bodies hypothesis draws differs between processes
+    # even derandomized (seen: 14 to 31 of them answered 200 in whole-suite and single-file runs), hence >= 10
+    assert statuses[200] >= 10 and statuses[400] >= 100, statuses
 
 
 HANDWRITTEN = [
