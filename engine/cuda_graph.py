@@ -92,7 +92,7 @@ class _Region:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.device_tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self.host_tensor = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        self.host_tensor = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.host = self.host_tensor.numpy()
 
     def send(self, rows: int) -> None:

@@ -59,3 +59,36 @@ def test_capture_sizes_cover_every_batch(max_batch):
     for n in range(1, max_batch + 1):
         padded = next(s for s in sizes if s >= n)
         assert padded - n < max(8, n // 2)  # small batches pad to powers of two, large ones by < 1/3
+
+
+def _step(ids, positions, slots, starts, ctx, tables, logits, decode):
+    from engine.cuda_graph import StepInputs
+
+    return StepInputs(np.array(ids, np.int64), np.array(positions, np.int64), np.array(slots, np.int64),
+                      np.array(starts, np.int32), np.array(ctx, np.int32), np.array(tables, np.int32),
+                      np.array(logits, np.int64), decode)
+
+
+def test_graph_buffers_pad_a_ragged_step_so_padding_touches_nothing():
+    """What a ragged graph reads: real rows as given, padding tokens in no sequence and written nowhere."""
+    import torch
+
+    from engine.cuda_graph import StaticBuffers
+
+    buffers = StaticBuffers(max_tokens=16, max_seqs=4, max_blocks=3, device=torch.device("cpu"))
+    # a 3-token prefill chunk (context 5) and a decode (context 9), padded to 8 tokens and 4 sequences
+    step = _step([7, 8, 9, 4], [2, 3, 4, 8], [18, 19, 20, 40], [0, 3, 4], [5, 9], [[4, 5, 0], [2, 10, 11]],
+                 [2, 3], False)
+    buffers.load(step, num_tokens=8, num_seqs=4)
+    batch = buffers.batch(8, 4, is_decode=False)
+    assert batch.input_ids.tolist() == [7, 8, 9, 4, 0, 0, 0, 0]
+    assert batch.slot_mapping.tolist() == [18, 19, 20, 40, -1, -1, -1, -1]  # -1: the cache kernel skips them
+    assert batch.query_start_loc.tolist() == [0, 3, 4, 4, 4]  # padding sequences own no rows
+    assert batch.block_tables[:2].tolist() == [[4, 5, 0], [2, 10, 11]]
+    assert batch.logits_indices.tolist()[:2] == [2, 3]
+    # a smaller decode step afterwards: its padding rows are one-token sequences of their own
+    buffers.load(_step([3], [6], [22], [0, 1], [7], [[4, 5]], [0], True), num_tokens=2, num_seqs=2)
+    decode = buffers.batch(2, 2, is_decode=True)
+    assert decode.slot_mapping.tolist() == [22, -1] and decode.context_lens.tolist() == [7, 1]
+    assert decode.query_start_loc.tolist() == [0, 1, 2]
+    assert decode.block_tables[0, :2].tolist() == [4, 5] and decode.block_tables[1, 0] == 0  # pad: 1 token, block 0
