@@ -328,7 +328,7 @@ def main() -> None:
     parser.add_argument("--prompt-cap", type=int, default=1024)
     parser.add_argument("--output-cap", type=int, default=512)
     parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--hf-requests", type=int, default=128, help="HF times the first K (whole batches)")
+    parser.add_argument("--hf-requests", type=int, default=64, help="HF times the first K (whole batches)")
     # 128 rows of this mix (prompts to 1,024 + outputs to 512 tokens, padded to the batch's longest) need ~100 GB
     # of HF's KV cache plus fragmentation: batch 128 ran out of the H200's 140 GB (2026-11-30), 64 fits
     parser.add_argument("--hf-batch-size", type=int, default=64)
