@@ -88,7 +88,8 @@ class StepInputs:
 
 
 class _Region:
-    """A device tensor with a pinned host twin; ``put`` stages values, ``send`` copies a prefix over."""
+    """A device tensor with a pinned host twin: values are staged in ``host`` (numpy view), ``send`` copies
+    the first rows over without blocking."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.device_tensor = torch.zeros(shape, dtype=dtype, device=device)
@@ -155,8 +156,9 @@ class StepGraphs:
         self.decode_sizes = capture_sizes(max_seqs)
         self.max_seqs = max_seqs
         self.ragged_sizes = ragged_sizes(max_tokens)
-        self.buffers = StaticBuffers(max(self.decode_sizes[-1], self.ragged_sizes[-1]),
-                                     max(self.decode_sizes[-1], max_seqs), max_blocks, device)
+        # decode_sizes[-1] >= max_seqs: the last decode size covers both families' sequence counts
+        self.buffers = StaticBuffers(max(self.decode_sizes[-1], self.ragged_sizes[-1]), self.decode_sizes[-1],
+                                     max_blocks, device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         # every graph copies its logits into this one buffer, so no graph keeps an output of its own alive in
         # the pool (17 held outputs took 0.35 GiB on a 7B model's 32k vocabulary)

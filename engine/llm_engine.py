@@ -79,7 +79,7 @@ class LLMEngine:
         self.runner = ModelRunner(args, self.model_dir, self.device, self.dtype, max_model_len)
         self.model_config = self.runner.config
         self.max_model_len = self._fit_max_model_len(max_model_len)
-        self.runner.capture_graphs(self.max_model_len)
+        self.runner.prepare(self.max_model_len)
         layout = self.runner.layout
         self.kv_manager = KVCacheManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(

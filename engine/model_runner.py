@@ -6,9 +6,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 import numpy as np
+import torch
 
 from engine.block_table import BlockTableRows
 from engine.config import EngineArgs, ModelConfig, parse_bytes
@@ -90,15 +89,18 @@ class ModelRunner:
     def cuda_graph_pool_bytes(self) -> int:
         return self.graphs.pool_bytes if self.graphs else 0
 
-    def capture_graphs(self, max_model_len: int) -> None:
-        """Capture CUDA graphs for decode batches up to max_num_seqs and small ragged steps (after the KV cache
-        exists: graphs keep its addresses). A no-op on CPU, with the reference kernels, or --enforce-eager."""
+    def prepare(self, max_model_len: int) -> None:
+        """Take the engine's fitted max_model_len (the KV pool may cap the model's own): size the host block
+        tables for it, and capture CUDA graphs for decode batches up to max_num_seqs and small ragged steps
+        (after the KV cache exists: graphs keep its addresses) unless on CPU, with the reference kernels, or
+        under --enforce-eager."""
+        self.max_model_len = max_model_len
+        max_blocks = self._max_blocks(max_model_len)
+        self.block_rows = BlockTableRows(max_blocks)
         if not self.use_cuda_graphs:
             return
-        self.max_model_len = max_model_len
-        self.block_rows = BlockTableRows(self._max_blocks(max_model_len))
         self.graphs = StepGraphs(self.model, self.args.max_num_seqs, self.args.max_num_batched_tokens,
-                                 self._max_blocks(max_model_len), self.device)
+                                 max_blocks, self.device)
         self.graphs.capture()
         if self.graphs.pool_bytes > self.memory_profile.decode_reserve:
             log.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them and sampling: the "
@@ -236,16 +238,7 @@ class ModelRunner:
             is_decode=all(item.num_new_tokens == 1 for item in scheduled))
         return inputs, to_sample
 
-    def build_batch(self, scheduled) -> tuple[ForwardBatch, list[Request]]:
-        """Device tensors of a step for an eager forward."""
-        inputs, to_sample = self.step_inputs(scheduled)
-        return inputs.to_batch(self.device), to_sample
-
-    def execute(self, scheduled, copy_on_write: list[tuple[int, int]]) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step and wait for its sampled tokens (see ``launch``)."""
-        return self.launch(scheduled, copy_on_write).result()
-
-    def launch(self, scheduled, copy_on_write: list[tuple[int, int]]) -> "PendingStep":
+    def launch(self, scheduled, copy_on_write: list[tuple[int, int]]) -> PendingStep:
         """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
         sampling of requests whose known tokens are all computed; the device works while the caller goes on."""
         self.copy_blocks(copy_on_write)

@@ -91,7 +91,7 @@ class Sampler:
         """Pick one token per row. ``logits`` is not modified."""
         return self.sample_async(logits, requests).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSample":
+    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Queue the sampling work; the token ids travel to the host without blocking the caller, so the
         engine can do the previous step's text work while the device computes. ``logits`` must stay valid
         until ``result()`` (the logprobs are read from it then)."""
