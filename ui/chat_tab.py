@@ -196,24 +196,31 @@ def build_chat_tab(client: EngineClient, status: gr.Markdown) -> ChatTab:
         gr.Warning(message)
         return gr.update(), turns, render(turns), error_box(message), gr.update(), gr.update()
 
+    async def reply(shown: list[dict], asked: list[dict], message_box, settings_args: tuple, request: gr.Request):
+        """Send and regenerate share this: parse the settings (refusing with ``shown`` left on screen), then
+        stream the assistant's reply to ``asked``; ``message_box`` is what the message box shows meanwhile."""
+        try:
+            settings = parse_settings(*settings_args)
+        except UIError as exc:
+            yield refuse(shown, exc.message)
+            return
+        signal = control.begin(request.session_hash)
+        try:
+            async for update in stream_reply(client, asked, settings, signal):
+                yield message_box, *update
+        finally:
+            control.end(request.session_hash, signal)
+
     async def respond(text: str, turns: list[dict], system: str, temperature: float, top_p: float, top_k: float,
                       max_new: float, seed: str, stops: str, request: gr.Request):
         text = (text or "").strip()
         if not text:
             yield refuse(turns, "Type a message first: the message is empty.")
             return
-        try:
-            settings = parse_settings(system, temperature, top_p, top_k, max_new, seed, stops)
-        except UIError as exc:
-            yield refuse(turns, exc.message)
-            return
         asked = [*turns, {"role": "user", "content": text}]
-        signal = control.begin(request.session_hash)
-        try:
-            async for update in stream_reply(client, asked, settings, signal):
-                yield "", *update
-        finally:
-            control.end(request.session_hash, signal)
+        settings_args = (system, temperature, top_p, top_k, max_new, seed, stops)
+        async for update in reply(turns, asked, "", settings_args, request):
+            yield update
 
     async def regenerate_last(turns: list[dict], system: str, temperature: float, top_p: float, top_k: float,
                               max_new: float, seed: str, stops: str, request: gr.Request):
@@ -223,17 +230,9 @@ def build_chat_tab(client: EngineClient, status: gr.Markdown) -> ChatTab:
         if not turns:
             yield refuse(turns, "Nothing to regenerate yet: send a message first.")
             return
-        try:
-            settings = parse_settings(system, temperature, top_p, top_k, max_new, seed, stops)
-        except UIError as exc:
-            yield refuse(turns, exc.message)
-            return
-        signal = control.begin(request.session_hash)
-        try:
-            async for update in stream_reply(client, turns, settings, signal):
-                yield gr.update(), *update
-        finally:
-            control.end(request.session_hash, signal)
+        settings_args = (system, temperature, top_p, top_k, max_new, seed, stops)
+        async for update in reply(turns, turns, gr.update(), settings_args, request):
+            yield update
 
     def edit_last(turns: list[dict], request: gr.Request):
         control.stop(request.session_hash, discard=True)
