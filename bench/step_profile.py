@@ -4,7 +4,9 @@ A diagnostic, not a target check: ``python3 bench/step_profile.py --model <folde
 For each batch size it times (a) an eager forward's host time (Python + launches, no sync) against its device
 time (CUDA events), (b) a graph replay's device time, and (c) whole engine steps with graphs, then prints the
 top host functions of the engine loop under cProfile, so launch overhead and Python per step are measured
-rather than guessed.
+rather than guessed. ``--kernels`` adds a per-kernel device-time table (torch.profiler / CUPTI) of graph
+replays and of eager forwards at batch 1: how much of a replay is kernel time and how much is gaps between
+kernels, and which kernels dominate.
 """
 
 from __future__ import annotations
@@ -76,6 +78,43 @@ def profile_eager_forward(runner, inputs: StepInputs, repeats: int = 10) -> None
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def kernel_table(runner, inputs: StepInputs, graph: bool, repeats: int = 20) -> None:
+    """Device time per forward by kernel name, over ``repeats`` graph replays (or eager forwards)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = runner.graphs.shape_for(inputs)
+    batch = inputs.to_batch(runner.device)
+
+    def once():
+        if graph:
+            runner.graphs.run(inputs, shape)
+        else:
+            runner.model.forward(batch)
+
+    once()
+    torch.cuda.synchronize()
+    start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start_evt.record()
+        for _ in range(repeats):
+            once()
+        end_evt.record()
+        torch.cuda.synchronize()
+    wall = start_evt.elapsed_time(end_evt) * 1e3 / repeats  # us per forward
+    rows = []
+    for avg in prof.key_averages():
+        total = getattr(avg, "device_time_total", None) or getattr(avg, "cuda_time_total", 0)
+        if total and avg.count:
+            rows.append((total / repeats, avg.count / repeats, avg.key))
+    rows.sort(reverse=True)
+    busy = sum(r[0] for r in rows)
+    kind = "graph replay" if graph else "eager forward"
+    print(f"--- kernels per {kind}, batch {inputs.num_seqs}: {sum(r[1] for r in rows):.0f} launches, "
+          f"{busy:.0f} us kernel time of {wall:.0f} us elapsed ({100 * busy / max(wall, 1e-9):.0f}% busy)")
+    for per, count, name in rows[:25]:
+        print(f"  {per:8.1f} us  {count:5.1f}x  {name[:110]}")
+
+
 def engine_steps(llm, batch: int, steps: int, profile: bool) -> float:
     """Median ms per engine step while ``batch`` requests decode; optionally prints a host profile."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
@@ -103,6 +142,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--gpu-memory-limit", default="40GiB")
+    parser.add_argument("--kernels", action="store_true", help="per-kernel device-time tables at batch 1")
     args = parser.parse_args()
     llm = LLM(args.model, dtype="float16", device="cuda", gpu_memory_limit=args.gpu_memory_limit,
               max_num_seqs=max(args.batch))
@@ -110,6 +150,9 @@ def main() -> None:
     print(f"graphs: {len(runner.graphs.graphs)} shapes, captured in {runner.graphs.capture_seconds:.2f} s,"
           f" pool {runner.cuda_graph_pool_bytes / 2**20:.0f} MiB")
     profile_eager_forward(runner, decode_inputs(runner, 1, args.context))
+    if args.kernels:
+        for graph in (True, False):
+            kernel_table(runner, decode_inputs(runner, 1, args.context), graph)
     for batch in args.batch:
         host, dev, graph = time_forward(runner, decode_inputs(runner, batch, args.context))
         step = engine_steps(llm, batch, 32, profile=batch == max(args.batch))

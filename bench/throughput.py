@@ -288,6 +288,9 @@ def bench_memory(run: BenchRun) -> None:
     label = f"{shape_label(args, 'llama2-7b')} AWQ under --gpu-memory-limit {args.memory_limit}"
     try:
         prof = llm.engine.runner.memory_profile
+        if cuda:  # where the peak happens: while starting (loading, sizing, capture) or while serving
+            run.add(info(f"{label}: peak memory reserved while starting / budget",
+                         torch.cuda.max_memory_reserved(torch.device(args.device)) / prof.budget, "fraction"))
         remaining = prof.budget - prof.weights - prof.activation_peak
         warm_up(llm, requests, min(len(requests), 64), vocab, rng, max_output=2)
         samples, generated = drive_sampling(llm, requests, args.sample_every)

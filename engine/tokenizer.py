@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from engine.request import EngineError
@@ -20,14 +21,26 @@ def flatten_content(content) -> str:
     return str(content)
 
 
+def load_hf_tokenizer(model_dir: Path):
+    """The folder's transformers tokenizer. When tokenizer_config.json names its class, that class is loaded
+    directly: AutoTokenizer would first build the model's AutoConfig, whose import chain (configuration_llama ->
+    activations -> hub kernels -> torch.distributed.tensor -> sympy) cost 1.5 s of every start on this machine
+    and ~5 s on the GPU machine. Without a named class, AutoTokenizer decides as usual."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    config_file = model_dir / "tokenizer_config.json"
+    name = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    cls = tokenizer_class_from_name(name) if isinstance(name, str) else None
+    return (cls or AutoTokenizer).from_pretrained(str(model_dir))
+
+
 class Tokenizer:
     """Encodes prompts and renders chat messages with the model's own chat template."""
 
     def __init__(self, model_dir: Path):
-        from transformers import AutoTokenizer
-
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+            self.hf = load_hf_tokenizer(Path(model_dir))
         except Exception as exc:  # transformers raises many types for a broken folder
             raise EngineError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc
         # The detokenizer decodes a few tokens per request per step: the Rust tokenizer directly costs a

@@ -202,16 +202,16 @@ def check_w4a16(
     device: str, dtype: torch.dtype, m: int, k: int, n: int, group_size: int, act_order: bool
 ) -> None:
     qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
-    x = torch.randn(m, k, dtype=dtype, device=device)
     perm = torch.randperm(k, device=device) if act_order else None
-    poison(device, m * n * x.element_size())
-    out = _ops().w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
-    exp = ref.w4a16_matmul(
-        x.double() if device == "cpu" else x.float(), qweight, scales, zeros, group_size, perm
-    ).to(dtype)
-    assert_rel(
-        out, exp, TOL[dtype]["matmul"], f"w4a16 M={m} K={k} N={n} G={group_size} act_order={act_order}"
-    )
+    for call in range(2):  # split-K arrival counters kept on the weight must be ready for the next call
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        poison(device, m * n * x.element_size())
+        out = _ops().w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
+        exp = ref.w4a16_matmul(
+            x.double() if device == "cpu" else x.float(), qweight, scales, zeros, group_size, perm
+        ).to(dtype)
+        assert_rel(out, exp, TOL[dtype]["matmul"],
+                   f"w4a16 M={m} K={k} N={n} G={group_size} act_order={act_order} call {call + 1}")
 
 
 PLANES_VARIANTS = {
@@ -343,14 +343,16 @@ def test_dequantize(group_size):
     )
 
 
-@pytest.mark.parametrize("kernel,scale_after", [("m1", False), ("m1", True), ("dot", False), ("dot", True)])
-def test_w4a16_gemv_variants(kernel, scale_after):
-    """Both GEMV kernels with the scale applied per weight or once per group after the K-step sum."""
+@pytest.mark.parametrize("kernel,scale_after,serial", [("m1", False, True), ("m1", True, True), ("m1", False, False),
+                                                      ("dot", False, None), ("dot", True, None)])
+def test_w4a16_gemv_variants(kernel, scale_after, serial):
+    """Both GEMV kernels with the scale applied per weight or once per group after the K-step sum; at M == 1
+    the split-K partials summed in the same launch (serial, called twice: the counters must reset) or by the
+    reduce kernel."""
     from kernels.triton.w4a16 import w4a16_matmul
 
     m = 1 if kernel == "m1" else 3
     qweight, scales, zeros = random_int4("cpu", torch.float16, 256, 48, 64)
-    x = torch.randn(m, 256, dtype=torch.float16)
     cfg = {
         "kernel": kernel,
         "BLOCK_N": 16,
@@ -360,6 +362,10 @@ def test_w4a16_gemv_variants(kernel, scale_after):
         "split": 2,
         "SCALE_AFTER": scale_after,
     }
-    out = w4a16_matmul(x, qweight, scales, zeros, 64, path="gemv", config=cfg)
-    exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 64).to(torch.float16)
-    assert_rel(out, exp, TOL[torch.float16]["matmul"], f"gemv {kernel} scale_after={scale_after}")
+    if serial is not None:
+        cfg["serial"] = serial
+    for _ in range(2):
+        x = torch.randn(m, 256, dtype=torch.float16)
+        out = w4a16_matmul(x, qweight, scales, zeros, 64, path="gemv", config=dict(cfg))
+        exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 64).to(torch.float16)
+        assert_rel(out, exp, TOL[torch.float16]["matmul"], f"gemv {kernel} scale_after={scale_after} serial={serial}")

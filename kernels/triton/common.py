@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -24,6 +25,13 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def autotune_disk_cache() -> dict:
+    """``triton.autotune`` keyword that keeps the chosen configs in Triton's on-disk cache, so a second start
+    (of the server, of a graph capture) reuses the timings instead of benchmarking every config again; empty on
+    Triton versions without it."""
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def next_pow2(n: int) -> int:

@@ -6,7 +6,9 @@ Paths, picked by M (rows of x):
 - M <= 16, fp16/bf16, group size a multiple of 128: ``planes`` (kernels/triton/w4a16_planes.py), the packed
   words as tensor-core operands one nibble plane at a time, split-K reduced in the same launch.
 - other M <= 16 cases (group sizes 32/64, fp32 activations), ``gemv``: split-K across programs so enough of
-  them stream the packed weights; fp32 split partials are summed by ``_splitk_reduce_kernel``. The packed tile
+  them stream the packed weights; at M == 1 the last program of each column tile sums the fp32 partials in
+  the same launch (the separate reduce took as long as the GEMV itself on SmolLM2's small matrices: 2.7 vs
+  2.9 us a call, 120 calls per token), for 2..16 rows ``_splitk_reduce_kernel`` sums them. The packed tile
   [BLOCK_K // 8, BLOCK_N] stays in registers: nibble j of packed row r meets input row 8r + j (``J_LOOP``).
   M == 1 uses fp32 FMAs (``_gemv_m1_kernel``); 2..16 rows one 16-row ``tl.dot`` per nibble with the scale
   applied once per group after the sum.
@@ -24,8 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import cdiv, interpreting, launch, next_pow2, num_sms
-from kernels.triton.w4a16_planes import planes_config, planes_matmul, planes_supported
+from kernels.triton.common import autotune_disk_cache, cdiv, interpreting, launch, next_pow2, num_sms
+from kernels.triton.w4a16_planes import (
+    LOCK_PERIOD,
+    lock_buffer,
+    planes_config,
+    planes_matmul,
+    planes_supported,
+)
 
 DEQUANT_MIN_M = 128
 PLANES_MAX_M = 16
@@ -125,6 +133,7 @@ def _prune(configs, named_args, **kwargs):
     configs=_tc_configs(),
     key=["M_BUCKET", "N", "K", "GROUP_KEY", "SPLIT"],
     prune_configs_by={"early_config_prune": _prune},
+    **autotune_disk_cache(),
 )
 @triton.jit
 def _w4a16_kernel(
@@ -219,17 +228,24 @@ def _gemv_m1_kernel(
     zeros_ptr,
     perm_ptr,
     out_ptr,
+    final_ptr,
+    lock_ptr,
     N,
     K,
     group_size,
     k_per_split,
+    splits,
+    lock_rest,
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
+    SERIAL: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # x [1, K] @ W [K, N] without tensor cores, fp32 FMAs into a [BLOCK_K, BLOCK_N] register tile
+    # x [1, K] @ W [K, N] without tensor cores, fp32 FMAs into a [BLOCK_K, BLOCK_N] register tile.
+    # SPLIT: out is fp32 partials [splits, N]; SERIAL: the last program of a column tile to finish sums them
+    # into final [N] (arrival counters as in w4a16_planes.py), so no second kernel runs
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,6 +279,15 @@ def _gemv_m1_kernel(
         y = tl.sum(acc, axis=0)  # [BLOCK_N]
     if SPLIT:
         tl.store(out_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
+        if SERIAL:
+            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
+            ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if (ticket & (LOCK_PERIOD - 1)) == splits - 1:
+                total = tl.zeros([BLOCK_N], tl.float32)
+                for sk in range(splits):
+                    total += tl.load(out_ptr + sk * N + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
+                tl.store(final_ptr + rn, total.to(x_ptr.dtype.element_ty), mask=n_mask)
+                tl.atomic_add(lock_ptr + pid_n, lock_rest, sem="relaxed", scope="gpu")
     else:
         tl.store(out_ptr + rn, y.to(x_ptr.dtype.element_ty), mask=n_mask)
 
@@ -441,11 +466,16 @@ def _gemv(x, args, out, m, n, k, group_size, has_perm, cfg):
     k_per_split, split = _split_k(k, _k_unit(group_size), split)
     dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     if kind == "m1" and m == 1:
-        grid = (cdiv(n, cfg["BLOCK_N"]), split)
+        tiles = cdiv(n, cfg["BLOCK_N"])
         cfg.setdefault("SCALE_AFTER", False)
-        _gemv_m1_kernel[grid](
-            x, *args, dst, n, k, group_size, k_per_split, HAS_PERM=has_perm, SPLIT=split > 1, **cfg
+        serial = cfg.pop("serial", True) and 1 < split <= LOCK_PERIOD.value
+        lock = lock_buffer(args[0], tiles, reuse=True) if serial else dst
+        _gemv_m1_kernel[(tiles, split)](
+            x, *args, dst, out, lock, n, k, group_size, k_per_split, split, LOCK_PERIOD.value - split,
+            HAS_PERM=has_perm, SPLIT=split > 1, SERIAL=serial, **cfg
         )
+        if serial:
+            return None
     else:
         cfg.setdefault("BLOCK_M", 16)
         cfg.setdefault("SCALE_AFTER", True)

@@ -16,7 +16,7 @@ math, an unpack per nibble, converts), so they ran at the issue rate, not at mem
   tile, and these loads were on the critical path of every step).
 - Split-K partials are reduced in the same launch: each program stores its fp32 partial, takes a ticket from a
   per-column-tile counter, and the last one sums the partials and writes the output (no second kernel, no
-  memset, no host sync). The counters live on the weight tensor (``_lock_buffer``) and are left at a multiple
+  memset, no host sync). The counters live on the weight tensor (``lock_buffer``) and are left at a multiple
   of LOCK_PERIOD after every call, so the launch is CUDA-graph safe and needs no per-call zeroing.
 
 Every K step lies in one quantization group (BLOCK_K divides the group size); group sizes that are not a
@@ -228,7 +228,7 @@ def planes_config(m: int, n: int, k: int, sms: int) -> dict:
             "split": split, "serial": True}
 
 
-def _lock_buffer(qweight: torch.Tensor, tiles: int, reuse: bool) -> torch.Tensor:
+def lock_buffer(qweight: torch.Tensor, tiles: int, reuse: bool) -> torch.Tensor:
     """Split-K arrival counters, int32 [tiles]. Kept on the weight tensor (one per layer, so engines and layers
     never share one; calls on one weight run in stream order): the kernel leaves every counter at a multiple
     of LOCK_PERIOD, so it needs zeroing only when first made (a memset, also fine inside graph capture). The
@@ -264,7 +264,7 @@ def planes_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        lock = _lock_buffer(qweight, tiles, reuse_lock) if serial else part
+        lock = lock_buffer(qweight, tiles, reuse_lock) if serial else part
     else:
         part = lock = out  # unused
     _planes_kernel[(tiles, split)](
