@@ -68,6 +68,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, log_fn: Callable[[str], None] = log.info):
         self.args = args
+        started = time.perf_counter()
         self.device = resolve_device(args.device)
         self.model_dir, self.model_name = resolve_model(args.model, log=log_fn)
         config = ModelConfig.from_dict(read_config_dict(self.model_dir))
@@ -75,7 +76,9 @@ class LLMEngine:
         max_model_len = args.max_model_len or config.max_position_embeddings
         if args.max_model_len is not None:
             self._require_fit_before_load(config)
+        tokenizer_started = time.perf_counter()
         self.tokenizer = Tokenizer(self.model_dir)
+        tokenizer_seconds = time.perf_counter() - tokenizer_started
         self.runner = ModelRunner(args, self.model_dir, self.device, self.dtype, max_model_len)
         self.model_config = self.runner.config
         self.max_model_len = self._fit_max_model_len(max_model_len)
@@ -93,6 +96,10 @@ class LLMEngine:
         log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
                f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
                f"{layout.capacity_tokens / self.max_model_len:.2f}x")
+        graphs = self.runner.graphs
+        log_fn(f"{self.model_name}: engine ready in {time.perf_counter() - started:.2f} s (tokenizer "
+               f"{tokenizer_seconds:.2f} s, weights {self.runner.load_seconds:.2f} s, KV sizing "
+               f"{self.runner.sizing_seconds:.2f} s, CUDA graphs {graphs.capture_seconds if graphs else 0.0:.2f} s)")
 
     def _require_fit_before_load(self, config: ModelConfig) -> None:
         """Refuse, before reading any weights, a max_model_len whose one full request cannot fit the budget."""
