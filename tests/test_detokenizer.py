@@ -278,3 +278,52 @@ def test_engine_tokenizer_decode_equals_transformers_decode(default_model_dir):
         b = rng.randrange(a, min(len(ids), a + 12) + 1)
         for skip in (True, False):
             assert tok.decode(ids[a:b], skip) == tok.hf.decode(ids[a:b], skip_special_tokens=skip)
+
+
+def test_engine_tokenizer_loads_the_named_class_like_auto_tokenizer(default_model_dir, tokenizer, tmp_path):
+    """The engine skips AutoTokenizer when tokenizer_config.json names the class (start-up time) and falls back
+    to it when no class is named; either way encodings and the chat template come out the same."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from engine.tokenizer import Tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "café 😀 你好?"}]
+    expected_chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    named = Tokenizer(Path(default_model_dir))
+    assert type(named.hf).__name__ == json.loads(
+        (Path(default_model_dir) / "tokenizer_config.json").read_text())["tokenizer_class"]
+
+    unnamed_dir = tmp_path / "unnamed"
+    unnamed_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "config.json"):
+        if (Path(default_model_dir) / name).is_file():
+            shutil.copy(Path(default_model_dir) / name, unnamed_dir / name)
+    config = json.loads((unnamed_dir / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class")
+    (unnamed_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    unnamed = Tokenizer(unnamed_dir)
+
+    for tok in (named, unnamed):
+        for text in CORPUS:
+            assert tok.encode(text) == tokenizer(text)["input_ids"], text
+        assert tok.apply_chat_template(messages) == expected_chat
+        assert tok.eos_token_id == tokenizer.eos_token_id
+
+
+def test_engine_tokenizer_does_not_import_the_auto_classes(default_model_dir):
+    """Start-up time: with the class named, loading never imports transformers' auto-tokenizer module (whose
+    import chain reached torch._dynamo and torch.distributed on transformers 5.17)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from pathlib import Path; from engine.tokenizer import Tokenizer; "
+            f"Tokenizer(Path({str(default_model_dir)!r})); "
+            "print('transformers.models.auto.tokenization_auto' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
