@@ -72,6 +72,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate a child (server or offline run) and reap it; kill it if it ignores that for 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, interval: float = 0.02) -> float:
     """Poll ``/health`` until it answers 200 with a loaded model; seconds waited. Raises if the server dies"""
     start = time.perf_counter()
@@ -113,12 +124,7 @@ def running_server(cmd: list[str], timeout: float) -> Iterator[tuple[str, float]
                 raise
             yield url, time.perf_counter() - start
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int,

@@ -42,7 +42,7 @@ from bench.common import (
     model_for,
     shape_label,
 )
-from bench.serving import free_port, running_server, server_command
+from bench.serving import free_port, running_server, server_command, stop_process
 
 OFFLINE_CHILD = """
 import json, sys
@@ -92,12 +92,7 @@ def offline_start(model_dir: Path, kwargs: dict, timeout: float) -> float:
         proc.wait(timeout=timeout)
         raise RuntimeError(f"offline start failed (exit {proc.returncode}): {proc.stderr.read()[-3000:]}")
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def imports_only(timeout: float) -> float:

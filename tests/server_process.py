@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,13 +13,11 @@ from pathlib import Path
 
 import httpx
 
+from bench.serving import free_port, stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port", "launch_server", "serving"]
 
 
 @contextmanager
@@ -44,12 +41,7 @@ def serving(cmd: list[str], env: dict, stdout, stderr, read_log: Callable[[], st
             time.sleep(0.25)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @contextmanager
