@@ -1,4 +1,7 @@
-"""Pagoda's command line: ``serve`` (default) the UI + OpenAI API, ``fetch`` a model, ``quantize`` a model."""
+"""Pagoda's command line: ``serve`` (default) the UI + OpenAI API, ``fetch`` a model, ``quantize`` a model.
+
+``serve`` wires the layers: it builds the engine and the API app (engine.serving) and mounts the UI (ui) on it.
+"""
 
 from __future__ import annotations
 
@@ -40,13 +43,33 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
 
+def ui_wanted(ns: argparse.Namespace) -> bool:
+    """``--no-ui`` or ``PAGODA_UI=0`` serve the API alone (a headless server starts faster)."""
+    return not ns.no_ui and os.environ.get("PAGODA_UI", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def mount_ui(app) -> None:
+    """The Gradio UI at "/" of the API's app, under the API's rules: behind the key when there is one (the
+    server's guard and Gradio's own check), local folders and downloads only where the server settings allow."""
+    import ui
+    from ui.client import EngineClient
+    from ui.model_manager import ModelManager
+
+    engine, settings, access = app.state.engine, app.state.settings, app.state.access
+    models = ModelManager(engine, allow_local_paths=settings.allow_local_paths,
+                          allow_downloads=settings.allow_downloads)
+    client = EngineClient(engine, host=settings.host, port=settings.port, api_key_required=access is not None,
+                          models=models)
+    ui.mount(app, client, auth_dependency=access.user if access is not None else None)
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.serving.server import build_server
 
     app = build_server(engine_args_from(ns), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"),
-                       host=ns.host, port=ns.port, with_ui=False if ns.no_ui else None)
+                       host=ns.host, port=ns.port, mount=mount_ui if ui_wanted(ns) else None)
     print(f"Pagoda serving on http://{ns.host}:{ns.port}  (OpenAI API at http://{ns.host}:{ns.port}/v1)", flush=True)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=3)
     return 0
@@ -85,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=7860)
-    serve.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or set PAGODA_API_KEY)")
+    serve.add_argument("--api-key", default=None,
+                       help="require this key for everything but /health: the API as a bearer key, the UI "
+                            "through a login page (or set PAGODA_API_KEY)")
     serve.add_argument("--no-ui", action="store_true", help="serve the API alone (faster start, no Gradio)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

@@ -45,14 +45,15 @@ def serving(cmd: list[str], env: dict, stdout, stderr, read_log: Callable[[], st
 
 
 @contextmanager
-def launch_server(model_dir: Path, *flags: str, ui: bool = True, startup_timeout: float = 240.0) -> Iterator[str]:
+def launch_server(model_dir: Path, *flags: str, ui: bool = True, startup_timeout: float = 240.0,
+                  env: dict[str, str] | None = None) -> Iterator[str]:
     """``python app.py serve --model <dir> --port <free> --dtype float32 <flags>``; yields the base URL once
     /health answers; stops the process afterwards. ``ui=False`` serves the API alone (``--no-ui``: faster
-    start). Shared by the server test modules."""
+    start); ``env`` adds to (or overrides) this process's environment. Shared by the server test modules."""
     port = free_port()
     cmd = [sys.executable, str(ROOT / "app.py"), "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--log-level", "warning", *([] if ui else ["--no-ui"]), *flags]
-    env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
+    env = {**{k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}, **(env or {})}
     with tempfile.TemporaryFile() as log:
         def read_log() -> str:
             log.seek(0)

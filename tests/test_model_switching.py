@@ -194,7 +194,7 @@ def _sse_stream(url: str, body: dict, events: list, started: threading.Event) ->
 
 
 def test_load_and_unload_routes(engine, default_model_dir, second_model_dir, broken_model_dir):
-    app = build_app(engine, ServerSettings(), with_ui=False, owns_engine=False)
+    app = build_app(engine, ServerSettings(), owns_engine=False)
     with ServerThread(app, free_port()) as url:
         http = httpx.Client(base_url=url, timeout=120)
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}

@@ -160,8 +160,9 @@ def test_api_key_is_required_on_v1(server, model_id):
     bad = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    assert httpx.get(f"{server}/health").status_code == 200  # health and metrics stay open for probes
-    assert httpx.get(f"{server}/metrics").status_code == 200
+    assert httpx.get(f"{server}/health").status_code == 200  # the liveness probe stays open, nothing else
+    for path in ("/metrics", "/version", "/docs", "/openapi.json", "/"):
+        assert httpx.get(f"{server}{path}").status_code == 401, path
 
 
 def test_errors_are_openai_shaped_and_name_the_field(server, client, model_id):
@@ -202,19 +203,16 @@ def test_tokenize_detokenize_round_trip(server, hf_tokenizer):
 
 
 def test_ui_is_mounted_next_to_the_api(server):
-    """The API shares its app with the browser UI (when the ui package provides mount)."""
-    import ui
-
-    if not hasattr(ui, "mount"):
-        pytest.skip("the UI package has no mount() yet")
-    r = httpx.get(f"{server}/", timeout=30)
+    """The API shares its app with the browser UI, behind the same key (tests/test_ui_access.py has the rest)."""
+    r = httpx.get(f"{server}/", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert r.status_code == 200 and "text/html" in r.headers["content-type"]
 
 
 def test_health_version_and_metrics(server, model_id):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(f"{server}/health").json()["model"] == model_id
-    assert httpx.get(f"{server}/version").json()["version"]
-    metrics = httpx.get(f"{server}/metrics").text
+    assert httpx.get(f"{server}/version", headers=headers).json()["version"]
+    metrics = httpx.get(f"{server}/metrics", headers=headers).text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:num_preemptions_total", "vllm:request_success_total",

@@ -5,7 +5,8 @@ port) and drives the page: a chat reply streams in token by token; the dashboard
 streams in another tab; bad input gets readable messages; a Hub repo is added and downloaded (from a local fake
 Hub); the AWQ build of the default model is loaded from the Models tab while a reply streams (that reply is
 cut off with a readable message) and then answers a new message; the Server tab shows a working endpoint.
-Finally the server's stderr must hold no traceback. Screenshots of each tab go to test-artifacts/ui/.
+Finally the server's stderr must hold no traceback. Last, a second server started with ``--api-key`` shows its
+login page instead of the UI, refuses a wrong key, and after the right one serves the UI until logout. Screenshots of each tab go to test-artifacts/ui/.
 
 Long replies use temperature 2.0: the sampled tokens are then close to uniform, so the end-of-sequence token
 (1 of 49,152) practically never ends a reply early and its length is set by max tokens, which keeps timings
@@ -32,6 +33,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 AWQ_ID = "smollm2-135m-instruct-awq"
+API_KEY = "browser-key-123"
 FAKE_REPO = "pagoda-test/smollm2-copy"
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
@@ -73,9 +75,28 @@ def server(default_model_dir, fake_hub, tmp_path_factory) -> Iterator[dict]:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     err_path, out_path = ARTIFACTS / "server.stderr.log", ARTIFACTS / "server.stdout.log"
     cmd = [sys.executable, str(ROOT / "app.py"), "serve", "--model", str(default_model_dir), "--port", str(port)]
-    with open(err_path, "wb") as err, open(out_path, "wb") as out:
-        with serving(cmd, env, out, err, err_path.read_text) as url:
-            yield {"url": url, "port": port, "stderr": err_path}
+    with open(err_path, "wb") as err, open(out_path, "wb") as out, \
+            serving(cmd, env, out, err, err_path.read_text) as url:
+        yield {"url": url, "port": port, "stderr": err_path}
+
+
+@pytest.fixture(scope="module")
+def keyed_server(default_model_dir, tmp_path_factory) -> Iterator[dict]:
+    """The same server with ``--api-key`` (its own Pagoda home, models shared; no Hub)."""
+    from engine.bundled import models_dir
+
+    home = tmp_path_factory.mktemp("pagoda-home-keyed")
+    (home / "models").symlink_to(models_dir(), target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGODA_API_KEY", "HF_TOKEN")}
+    env.update(PAGODA_HOME=str(home), HF_HUB_CACHE=str(home / "hf-cache"), HF_HUB_OFFLINE="1")
+    port = free_port()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    err_path, out_path = ARTIFACTS / "keyed-server.stderr.log", ARTIFACTS / "keyed-server.stdout.log"
+    cmd = [sys.executable, str(ROOT / "app.py"), "serve", "--model", str(default_model_dir), "--port", str(port),
+           "--api-key", API_KEY]
+    with open(err_path, "wb") as err, open(out_path, "wb") as out, \
+            serving(cmd, env, out, err, err_path.read_text) as url:
+        yield {"url": url, "port": port, "stderr": err_path}
 
 
 @pytest.fixture(scope="module")
@@ -368,4 +389,33 @@ def test_server_tab_shows_endpoint_snippets_and_command_line(page, server):
 
 def test_server_log_has_no_uncaught_exception(server):
     log = server["stderr"].read_text(errors="replace")
+    assert "Traceback" not in log, log[log.find("Traceback") - 500:][:4000]
+
+
+def test_with_a_key_the_ui_asks_for_it_on_a_login_page(browser, keyed_server):
+    url = keyed_server["url"]
+    page = browser.new_page()
+    page.goto(url + "/")
+    page.wait_for_selector("#login-form")
+    assert "/login" in page.url and not page.locator("#chat-input").count()
+    screenshot(page, "login")
+    page.locator("#key").fill("not-the-key")
+    page.locator("#login-submit").click()
+    page.wait_for_selector("#login-form .error")
+    assert "not this server's API key" in page.locator("#login-form").inner_text()
+    page.locator("#key").fill(API_KEY)
+    page.locator("#login-submit").click()
+    page.wait_for_selector("#chat-input textarea")  # the whole UI works on the session: chat streams
+    set_number(page, "max-tokens", 8)
+    set_number(page, "temperature", 0)
+    send(page, "Hello!")
+    assert stream_observations(page)[-1]["text"]
+    go_to(page, "Server")
+    page.wait_for_function("document.querySelector('#server-endpoint').innerText.includes('required')")
+    page.locator("#logout").click()
+    page.wait_for_selector("#login-form")
+    page.goto(url + "/")
+    page.wait_for_selector("#login-form")  # logged out: the UI is gone again
+    page.close()
+    log = keyed_server["stderr"].read_text(errors="replace")
     assert "Traceback" not in log, log[log.find("Traceback") - 500:][:4000]

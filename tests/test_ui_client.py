@@ -219,6 +219,28 @@ def test_local_folders_are_added_or_refused_by_policy(client, default_model_dir,
         client.models.add("  ")
 
 
+def test_an_open_server_loads_only_catalog_models_like_the_api(client, default_model_dir, engine):
+    """On a network address without a key the UI follows the API's rules: no local folders (added or loaded),
+    no downloads, builds or Hub adds; catalog models already on this machine still load."""
+    from engine.serving.server import ServerSettings
+
+    open_server = ServerSettings(api_key=None, host="0.0.0.0")
+    assert not open_server.allow_local_paths and not open_server.allow_downloads
+    for private in (ServerSettings(), ServerSettings(api_key="k", host="0.0.0.0")):
+        assert private.allow_local_paths and private.allow_downloads
+    added = client.models.add(str(default_model_dir))  # remembered from a private session
+    closed = ModelManager(engine, downloader=client.models.downloader, state_path=client.models.state_path,
+                          allow_local_paths=open_server.allow_local_paths,
+                          allow_downloads=open_server.allow_downloads)
+    hub_id = next(r.id for r in closed.rows() if r.source == "hub")
+    for refused in (lambda: closed.add(str(default_model_dir)), lambda: closed.add(REPO),
+                    lambda: closed.load_reference(added.id), lambda: closed.start_download(hub_id),
+                    lambda: closed.start_download("smollm2-135m-instruct-gptq")):
+        with pytest.raises(UIError, match="disabled on a server that listens on a network address"):
+            refused()
+    assert closed.load_reference("smollm2-135m-instruct") == "smollm2-135m-instruct"
+
+
 def test_load_refusals_are_readable(client):
     with pytest.raises(UIError, match="unknown model"):
         run(client.load_model("no-such-model"))

@@ -3,33 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 
-def mount(app, client: Any):
+def mount(app, client, *, auth_dependency: Callable[[Any], str | None] | None = None):
     """Mount the UI on ``app`` at "/" (no second server) and return the app.
 
-    ``client`` is an ``EngineClient`` or the server's ``AsyncEngine`` (wrapped here, with the host, port and
-    API-key facts the server put in ``app.state.settings``). The client is closed when the app shuts down
-    (its sampler thread stops and running downloads are cancelled, staying resumable).
+    ``client`` is the ``EngineClient`` the tabs talk to (``app.py`` builds it with the server's host, port,
+    key and local-folder/download policy); it is closed when the app shuts down (its sampler thread stops and
+    running downloads are cancelled, staying resumable). ``auth_dependency`` (request -> user or None) is
+    Gradio's own check on its page and API routes, for a server with a key; the server's guard in front of the
+    whole app makes the same decision first.
     """
     import gradio as gr
 
     from ui.app import CSS, build_blocks, theme
-    from ui.client import EngineClient
-    from ui.model_manager import ModelManager
 
-    if not isinstance(client, EngineClient):
-        settings = getattr(app.state, "settings", None)
-        client = EngineClient(client, host=getattr(settings, "host", "127.0.0.1"),
-                              port=getattr(settings, "port", 7860),
-                              api_key_required=bool(getattr(settings, "api_key", None)),
-                              models=ModelManager(client,
-                                                  allow_local_paths=getattr(settings, "allow_local_paths", True)))
     app.state.ui_client = client
     blocks = build_blocks(client)
     blocks.queue(default_concurrency_limit=8)
-    app = gr.mount_gradio_app(app, blocks, path="/", ssr_mode=False, footer_links=[], theme=theme(), css=CSS)
+    app = gr.mount_gradio_app(app, blocks, path="/", ssr_mode=False, footer_links=[], theme=theme(), css=CSS,
+                              auth_dependency=auth_dependency)
     serve = app.router.lifespan_context
 
     @contextlib.asynccontextmanager

@@ -3,6 +3,10 @@
 Why here and not in the engine: these are the UI's views of the catalog (models.yaml), the Hub downloader and
 the fit estimator, plus a small persisted list of models the user added (Hub repo ids and local folders) in
 ``$PAGODA_HOME/ui-models.json``. The engine only ever receives a catalog id or a validated local folder.
+
+The UI follows the API's rules: on a server that listens on a network address without a key, only catalog
+models already on this machine load, and nothing is downloaded, built or added (``allow_local_paths`` and
+``allow_downloads`` off, as the server's settings say).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ log = logging.getLogger("pagoda.ui")
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 CPU_DEFAULT_KV = "256MiB"
+OPEN_SERVER = (" (as over the API): restart it with --api-key, or fetch models with `python app.py fetch <id>` "
+               "on the server itself.")
 
 
 class UIError(Exception):
@@ -167,12 +173,13 @@ class ModelManager:
     """Rows for the models table, the fit of each for the current budget, downloads and added models."""
 
     def __init__(self, engine, *, catalog: Catalog | None = None, downloader=None, state_path: Path | None = None,
-                 allow_local_paths: bool = True):
+                 allow_local_paths: bool = True, allow_downloads: bool = True):
         self.engine = engine
         self.catalog = catalog or Catalog.load()
         self._downloader = downloader
         self.state_path = state_path or default_state_path()
         self.allow_local_paths = allow_local_paths
+        self.allow_downloads = allow_downloads
         self._lock = threading.Lock()
         self._jobs: dict[str, _ThreadJob | _HubJob] = {}
         self._added: dict[str, AddedModel] = self._read_state()
@@ -346,6 +353,9 @@ class ModelManager:
         added = self._added.get(row_id)
         if added is None:
             raise UIError(f"unknown model {row_id!r}: pick one from the table")
+        if not self.allow_local_paths:
+            raise UIError(f"{added.name} is a folder on this machine outside the catalog: loading those is "
+                          f"disabled on a server that listens on a network address without --api-key{OPEN_SERVER}")
         folder = self._added_folder(added)
         if folder is None:
             what = "downloaded yet: click Download first" if added.repo else f"found at {added.path} any more"
@@ -355,6 +365,9 @@ class ModelManager:
     # ---- downloads --------------------------------------------------------------------------------------
     def start_download(self, row_id: str, token: str | None = None) -> JobStatus:
         """Download a Hub model or build a bundled one; joining a running job returns its status."""
+        if not self.allow_downloads:
+            raise UIError("Downloads and builds are disabled on a server that listens on a network address "
+                          f"without --api-key{OPEN_SERVER}")
         with self._lock:
             job = self._jobs.get(row_id)
             if job is not None and not job.status().finished:
@@ -394,6 +407,9 @@ class ModelManager:
                              "or .gguf file.")
         if ref.startswith(("/", "~", ".")) or ref.lower().endswith(".gguf") or "\\" in ref:
             return self._add_local(ref)
+        if not self.allow_downloads:
+            raise UIError(f"Adding Hub models is disabled on a server that listens on a network address without "
+                          f"--api-key{OPEN_SERVER}")
         if not REPO_ID.match(ref):
             raise UIError(f"'{ref}' is not a Hub repo id: use owner/name, for example "
                              "Qwen/Qwen2.5-0.5B-Instruct-AWQ.")

@@ -91,7 +91,8 @@ def base_url_of(request: gr.Request | None) -> str | None:
 def endpoint_md(info: ServerInfo) -> str:
     if info.api_key_required:
         key = ("**API key: required.** Send `Authorization: Bearer <key>` (the key given with `--api-key` or "
-               "`PAGODA_API_KEY`); the snippets read it from `$PAGODA_API_KEY`.")
+               "`PAGODA_API_KEY`); the snippets read it from `$PAGODA_API_KEY`. This page is behind the same "
+               "key (logged in until you log out or the server restarts).")
     else:
         key = ("**API key: not required** (the server listens on this machine only; start it with `--api-key` "
                "before exposing it). Clients that insist on a key can send any string.")
@@ -123,6 +124,9 @@ class ServerTab:
 def build_server_tab(client: EngineClient) -> ServerTab:
     info = server_info(client.server_facts())
     endpoint = gr.Markdown(endpoint_md(info), elem_id="server-endpoint")
+    if info.api_key_required:  # /logout (engine/serving/access.py) ends this browser's session
+        gr.Button("Log out", link="/logout", link_target="_self", size="sm", variant="secondary",
+                  elem_id="logout", scale=0)
     with gr.Row(equal_height=False):
         with gr.Column():
             python = gr.Code(info.python_snippet, language="python", label="Python (openai package)",

@@ -54,6 +54,16 @@ def error_response(error: APIError) -> JSONResponse:
                         headers=headers)
 
 
+async def send_error(send, error: APIError) -> None:
+    """The same body from raw ASGI (the guards answer before any route runs)."""
+    body = json.dumps(error_payload(error.message, error.type, error.param, error.code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """The one mapping from exceptions to HTTP errors (JSON bodies and SSE error events share it)."""
     if isinstance(exc, APIError):

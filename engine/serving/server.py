@@ -1,19 +1,18 @@
-"""Builds the one FastAPI app that serves the OpenAI API, the admin routes, /metrics and the UI around one engine.
+"""Builds the FastAPI app that serves the OpenAI API, the admin routes and /metrics around one engine.
 
-The API paths sit behind a small ASGI guard that runs before any body parsing: the API key (401), a body size
-limit (413), and a refusal of cross-site browser requests (403) so a web page cannot drive the local API.
+With a key, ``access.AccessGuard`` stands in front of every path but /health (the UI that ``app.py`` mounts
+at "/" included). The API paths also sit behind ``APIGuard``, which runs before any body parsing: a refusal
+of cross-site browser requests (403) so a web page cannot drive the local API, and a body size limit (413).
+The UI is not imported here: the caller passes a ``mount`` callable (``app.py`` mounts the Gradio UI).
 """
 
 from __future__ import annotations
 
-import hmac
-import importlib
 import ipaddress
-import json
 import logging
-import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -25,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
 from engine.metrics import CONTENT_TYPE
-from engine.serving import admin_routes, openai_routes
-from engine.serving.errors import APIError, error_payload, install_error_handlers
+from engine.serving import access, admin_routes, openai_routes
+from engine.serving.errors import APIError, install_error_handlers, send_error
 
 log = logging.getLogger("pagoda.server")
 
@@ -60,9 +59,20 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
 
     @property
-    def allow_local_paths(self) -> bool:
-        """Load local folders by path only when the server is private (loopback) or key-protected."""
+    def private(self) -> bool:
+        """Only this machine (loopback) or holders of the key can reach the server."""
         return bool(self.api_key) or is_loopback(self.host)
+
+    @property
+    def allow_local_paths(self) -> bool:
+        """Load local folders by path only on a private server."""
+        return self.private
+
+    @property
+    def allow_downloads(self) -> bool:
+        """Start Hub downloads, builds and model adds (the UI's Models tab) only on a private server; the API
+        never starts one."""
+        return self.private
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -73,7 +83,7 @@ class BodyTooLarge(StarletteHTTPException):
 
 
 class APIGuard:
-    """ASGI middleware on the API paths: API key, cross-site refusal, body size limit. UI paths pass through."""
+    """ASGI middleware on the API paths: cross-site refusal, body size limit. Other paths pass through."""
 
     def __init__(self, app, settings: ServerSettings):
         self.app = app
@@ -86,7 +96,7 @@ class APIGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         error = self._check(headers)
         if error is not None:
-            await self._reply(error, send)
+            await send_error(send, error)
             return
         limit = self.settings.max_body_bytes
         seen = 0
@@ -103,13 +113,6 @@ class APIGuard:
         await self.app(scope, limited_receive, send)
 
     def _check(self, headers: dict[str, str]) -> APIError | None:
-        key = self.settings.api_key
-        if key:
-            auth = headers.get("authorization", "")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                None, "invalid_api_key")
         origin = headers.get("origin")
         if origin is not None and urlsplit(origin).netloc != headers.get("host", ""):
             return APIError(403, "cross-origin browser requests to the API are refused", None, "cross_origin")
@@ -125,32 +128,16 @@ class APIGuard:
         return APIError(413, f"request body larger than {self.settings.max_body_bytes} bytes", None,
                         "request_too_large")
 
-    @staticmethod
-    async def _reply(error: APIError, send) -> None:
-        body = json.dumps(error_payload(error.message, error.type, error.param, error.code)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if error.status == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        await send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+
+Mount = Callable[[FastAPI], object]
 
 
-def mount_ui(app: FastAPI, client: AsyncEngine) -> bool:
-    """Mount the Gradio UI at "/" when the ``ui`` package provides ``mount(app, client)``."""
-    try:
-        ui = importlib.import_module("ui")
-    except ImportError:
-        return False
-    mount = getattr(ui, "mount", None)
-    if not callable(mount):
-        return False
-    mount(app, client)
-    return True
-
-
-def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = True,
+def build_app(engine: AsyncEngine, settings: ServerSettings, mount: Mount | None = None,
               owns_engine: bool = True) -> FastAPI:
     """The app around an existing AsyncEngine (tests and embedding use this; ``build_server`` loads first).
+
+    ``mount(app)`` puts a front end at "/" after the API routes (``app.state`` holds the engine, the settings and,
+    with a key, the ``KeyAccess`` to hand to it); without one, "/" answers a JSON pointer to the API.
     ``owns_engine``: shut the engine down (free the model) when the app stops."""
 
     @asynccontextmanager
@@ -164,10 +151,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = Tru
                   description="OpenAI-compatible API of a local paged-KV continuous-batching engine.")
     app.state.engine = engine
     app.state.settings = settings
+    app.state.access = access.KeyAccess(settings.api_key) if settings.api_key else None
     install_error_handlers(app)
 
     app.include_router(openai_routes.build_router(engine, fingerprint=f"pagoda-{version}"))
     app.include_router(admin_routes.build_router(engine, settings.allow_local_paths))
+    if app.state.access is not None:
+        app.include_router(access.build_router(app.state.access))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -182,7 +172,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = Tru
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_middleware(APIGuard, settings=settings)
-    if with_ui and not mount_ui(app, engine):
+    if app.state.access is not None:  # added last: runs first
+        app.add_middleware(access.AccessGuard, access=app.state.access, api_prefixes=API_PREFIXES)
+    if mount is not None:
+        mount(app)
+    else:
         @app.get("/", include_in_schema=False)
         async def index() -> JSONResponse:
             return JSONResponse({"name": "Pagoda", "model": engine.model_name, "api": "/v1", "docs": "/docs"})
@@ -190,16 +184,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, with_ui: bool = Tru
 
 
 def build_server(args: EngineArgs, api_key: str | None = None, host: str = "127.0.0.1", port: int = 7860,
-                 max_body_bytes: int = MAX_BODY_BYTES, with_ui: bool | None = None) -> FastAPI:
-    """Load the model first (so the port opens only when it serves), then return the app.
-
-    ``with_ui=None`` reads ``PAGODA_UI`` (``0`` serves the API alone: a headless server starts faster)."""
+                 max_body_bytes: int = MAX_BODY_BYTES, mount: Mount | None = None) -> FastAPI:
+    """Load the model first (so the port opens only when it serves), then return the app (see ``build_app``)."""
     if not api_key and not is_loopback(host):
         log.warning("listening on %s without an API key: anyone who can reach this port can use the model", host)
-    if with_ui is None:
-        with_ui = os.environ.get("PAGODA_UI", "1").strip().lower() not in ("0", "false", "no", "off")
     engine = AsyncEngine(args)
-    return build_app(engine, ServerSettings(api_key or None, host, port, max_body_bytes), with_ui=with_ui)
+    return build_app(engine, ServerSettings(api_key or None, host, port, max_body_bytes), mount=mount)
 
 
 class ServerThread:
