@@ -8,6 +8,7 @@ renamed into place, with a manifest of file sizes, so a half-written cache is ne
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -52,8 +53,26 @@ def is_complete(model_dir: Path) -> bool:
 
 
 def write_manifest(model_dir: Path) -> None:
+    """Record every file's size (checked on each load) and the weights' SHA-256 (the identity of a build)."""
     files = {p.name: p.stat().st_size for p in sorted(model_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
-    (model_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    weights = {p.name: file_sha256(p) for p in sorted(model_dir.glob("*.safetensors"))}
+    (model_dir / MANIFEST).write_text(json.dumps({"files": files, "sha256": weights}, indent=1))
+
+
+def weights_sha256(model_dir: Path) -> dict[str, str]:
+    """The weight files' SHA-256 as the manifest recorded them when the folder was built ({} before that)."""
+    try:
+        return json.loads((model_dir / MANIFEST).read_text()).get("sha256", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def publish(tmp_dir: Path, target: Path) -> Path:

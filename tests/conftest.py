@@ -47,3 +47,20 @@ def gptq_model_dir(default_model_dir) -> Path:
 
     catalog = Catalog.load()
     return fetch(catalog.get("smollm2-135m-instruct-gptq"), catalog, log=lambda msg: None)
+
+
+@pytest.fixture(scope="session")
+def heldout_ids(default_model_dir) -> torch.Tensor:
+    """data/heldout.txt (text no calibration saw) as the default model's token ids [num_tokens]."""
+    from transformers import AutoTokenizer
+
+    text = (Path(__file__).resolve().parents[1] / "data" / "heldout.txt").read_text()
+    return torch.tensor(AutoTokenizer.from_pretrained(default_model_dir)(text).input_ids)
+
+
+@pytest.fixture(scope="session")
+def fp16_reference(default_model_dir):
+    """The default model in transformers (float32 compute), the yardstick of its quantized builds."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()

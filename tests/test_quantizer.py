@@ -1,73 +1,87 @@
 """Our quantizer on the default model: AWQ and GPTQ checkpoints keep perplexity within 10% of fp16 and beat RTN.
 
-Each method quantizes SmolLM2-135M-Instruct once per session (CPU, small calibration). The checkpoints are
-read back through Pagoda's loader, dequantized into a plain transformers model, and scored on
-data/heldout.txt, a text the calibration never saw. The layout checks decode the written tensors with
-this file's own unpacking (AutoAWQ's column order, AutoGPTQ's v1 zero-points), not Pagoda's.
+AWQ and GPTQ are the catalog's bundled builds (made once per session, as a user's first load makes them);
+RTN is built here. The checkpoints are read back through Pagoda's loader, dequantized into a plain
+transformers model, and scored on data/heldout.txt, a text the calibration never saw. The layout checks
+decode the written tensors with this file's own unpacking (AutoAWQ's column order, AutoGPTQ's v1
+zero-points), not Pagoda's. The determinism tests build the first layers of the default model again, with
+1 and with 2 threads, and compare bytes.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.quant import build_bundled_quantized, quantize_model
+from engine.bundled import weights_sha256
+from engine.quant import quantize_model
 from engine.quant.evaluate import load_dense_model, perplexity
+from engine.quant.quantizer import BUNDLED_SETTINGS
 from engine.request import EngineError
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 32  # divides 576 and 1536; 128 does not divide SmolLM2's hidden size 576
-# GPTQ is built exactly as the catalog's bundled checkpoint. AWQ's scale search dominates the run time
-# (about 2 minutes for 4 x 256 tokens on the 2-core box), so the test calibrates AWQ on half the bundled 8 x 256.
-SETTINGS = {
-    "rtn": {"group_size": GROUP},
-    "awq": {"group_size": GROUP, "num_samples": 4, "seq_len": 256},
-    "gptq": "bundled",
-}
 LAYER0 = "model.layers.0"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
+METHODS = ("rtn", "awq", "gptq")
+PARTIAL_LAYERS = 2  # layers of the default model rebuilt by the determinism tests
 
 
 @pytest.fixture(scope="session")
-def quantized(default_model_dir, tmp_path_factory) -> dict:
-    """method -> (checkpoint dir, seconds, progress log lines)."""
-    out = tmp_path_factory.mktemp("quantized")
-    results = {}
-    for method, settings in SETTINGS.items():
-        lines: list[str] = []
-        started = time.perf_counter()
-        if settings == "bundled":
-            path = build_bundled_quantized(default_model_dir, out / method, method, log=lines.append)
-        else:
-            path = quantize_model(default_model_dir, out / method, method, log=lines.append, device="cpu",
-                                  **settings)
-        results[method] = (path, time.perf_counter() - started, lines)
-    return results
+def quantized(default_model_dir, awq_model_dir, gptq_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """method -> checkpoint folder."""
+    rtn = quantize_model(default_model_dir, tmp_path_factory.mktemp("quantized") / "rtn", "rtn",
+                         group_size=GROUP, log=lambda msg: None, device="cpu")
+    return {"rtn": rtn, "awq": awq_model_dir, "gptq": gptq_model_dir}
 
 
 @pytest.fixture(scope="session")
-def heldout_ids(default_model_dir) -> torch.Tensor:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    return torch.tensor(tokenizer((ROOT / "data" / "heldout.txt").read_text()).input_ids)
-
-
-@pytest.fixture(scope="session")
-def perplexities(default_model_dir, quantized, heldout_ids) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM
-
-    fp16 = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
-    result = {"fp16": perplexity(fp16, heldout_ids)}
-    for method, (path, seconds, _) in quantized.items():
+def perplexities(fp16_reference, quantized, heldout_ids) -> dict[str, float]:
+    result = {"fp16": perplexity(fp16_reference, heldout_ids)}
+    for method, path in quantized.items():
         result[method] = perplexity(load_dense_model(path), heldout_ids)
-        print(f"{method}: perplexity {result[method]:.3f} (fp16 {result['fp16']:.3f}), quantized in {seconds:.1f}s")
+        print(f"{method}: perplexity {result[method]:.3f} (fp16 {result['fp16']:.3f})")
     return result
+
+
+@pytest.fixture(scope="session")
+def partial_model_dir(default_model_dir, tmp_path_factory) -> Path:
+    """The default model cut to its first PARTIAL_LAYERS decoder layers (same tensors, same tokenizer)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("partial") / "smollm2-partial"
+    out.mkdir()
+    config = json.loads((default_model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = PARTIAL_LAYERS
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = load_file(str(default_model_dir / "model.safetensors"))
+    kept = {name: t for name, t in tensors.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < PARTIAL_LAYERS}
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for path in default_model_dir.iterdir():
+        if path.is_file() and path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def partial_builds(partial_model_dir, tmp_path_factory) -> dict[tuple[str, int], tuple[Path, list[str]]]:
+    """(method, threads) -> (checkpoint of the partial model built with the bundled settings, progress log)."""
+    out = tmp_path_factory.mktemp("partial-builds")
+    builds = {}
+    for method in ("awq", "gptq"):
+        for threads in (1, 2):
+            lines: list[str] = []
+            settings = dict(BUNDLED_SETTINGS[method], cpu_threads=threads)
+            path = quantize_model(partial_model_dir, out / f"{method}-t{threads}", method, log=lines.append,
+                                  **settings)
+            builds[method, threads] = (path, lines)
+    return builds
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -94,14 +108,36 @@ def test_awq_and_gptq_beat_round_to_nearest(perplexities, method):
     assert perplexities[method] < perplexities["rtn"], perplexities
 
 
-def test_progress_is_reported_per_layer(quantized):
+def test_progress_is_reported_per_layer(partial_builds):
     for method in ("awq", "gptq"):
-        lines = quantized[method][2]
-        assert any("layer 1/30" in line for line in lines) and any("layer 30/30" in line for line in lines)
+        lines = partial_builds[method, 1][1]
+        assert any(f"layer 1/{PARTIAL_LAYERS}" in line for line in lines)
+        assert any(f"layer {PARTIAL_LAYERS}/{PARTIAL_LAYERS}" in line for line in lines)
+        assert any("in float64" in line for line in lines)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_bundled_settings_give_the_same_bytes_with_1_and_2_threads(partial_builds, method):
+    """The manifest's content hash of the weights is the same whatever the thread count."""
+    one, two = (weights_sha256(partial_builds[method, threads][0]) for threads in (1, 2))
+    assert one and one == two
+    assert (partial_builds[method, 1][0] / "model.safetensors").read_bytes() == \
+        (partial_builds[method, 2][0] / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_partial_build_matches_the_bundled_build_layer_for_layer(partial_builds, quantized, method):
+    """Layer i depends only on layers before it, so rebuilding the first layers reproduces the catalog build's."""
+    partial = read_tensors(partial_builds[method, 1][0])
+    full = read_tensors(quantized[method])
+    layer_tensors = [name for name in partial if name.startswith("model.layers.")]
+    assert len(layer_tensors) > 10 * PARTIAL_LAYERS
+    for name in layer_tensors:
+        assert torch.equal(partial[name], full[name]), name
 
 
 def test_awq_checkpoint_has_autoawq_gemm_layout(quantized, default_model_dir):
-    path = quantized["awq"][0]
+    path = quantized["awq"]
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": GROUP,
                                              "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
@@ -128,8 +164,8 @@ def test_checkpoints_carry_tokenizer_and_chat_template(quantized, default_model_
     wanted = [p.name for p in default_model_dir.iterdir()
               if p.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens"))]
     assert "tokenizer.json" in wanted
-    for method in SETTINGS:
-        path = quantized[method][0]
+    for method in METHODS:
+        path = quantized[method]
         for name in wanted:
             assert (path / name).read_bytes() == (default_model_dir / name).read_bytes()
         assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no half-written temp folders
@@ -147,7 +183,7 @@ def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def test_rtn_checkpoint_decodes_to_nearest_grid_points(quantized, default_model_dir):
     """RTN written in AWQ layout: every weight decodes to within half a quantization step of the fp16 weight."""
-    tensors = read_tensors(quantized["rtn"][0])
+    tensors = read_tensors(quantized["rtn"])
     source = read_tensors(default_model_dir)
     for name in LINEARS:
         prefix = f"{LAYER0}.{name}"
@@ -160,7 +196,7 @@ def test_rtn_checkpoint_decodes_to_nearest_grid_points(quantized, default_model_
 
 
 def test_gptq_checkpoint_has_autogptq_v1_layout_and_act_order(quantized, default_model_dir):
-    path = quantized["gptq"][0]
+    path = quantized["gptq"]
     qcfg = json.loads((path / "config.json").read_text())["quantization_config"]
     assert {k: qcfg[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == \
         {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,

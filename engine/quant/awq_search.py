@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.quant.rtn import effective_group, fake_quantize, fake_quantize_groups
+from engine.quant.rtn import effective_group, fake_quantize, fake_quantize_groups, working
 
 
 @dataclass
@@ -54,7 +54,7 @@ def tie_channels(values: torch.Tensor, prev_channel: torch.Tensor | None) -> tor
 def search_scales(group: ScaleGroup, group_size: int, n_grid: int = 20, duo_scaling: bool = True) -> torch.Tensor:
     """The best per-input-channel scales [in] for ``group``; the layers are left as they were."""
     x = group.inputs
-    x_mean = tie_channels(x.abs().reshape(-1, x.shape[-1]).float().mean(dim=0), group.prev_channel)  # [in]
+    x_mean = tie_channels(working(x.abs().reshape(-1, x.shape[-1])).mean(dim=0), group.prev_channel)  # [in]
     w_mean = tie_channels(_relative_weight_mean(group.linears, group_size), group.prev_channel)  # [in]
     reference = group.inspect(x)
     originals = [fc.weight.data.clone() for fc in group.linears]
@@ -69,7 +69,7 @@ def search_scales(group: ScaleGroup, group_size: int, n_grid: int = 20, duo_scal
         scales[~torch.isfinite(scales)] = 1.0
         for fc, w in zip(group.linears, originals):
             fc.weight.data = fake_quantize(w * scales, group_size) / scales
-        loss = (group.inspect(x) - reference).float().pow(2).mean().item()
+        loss = working(group.inspect(x) - reference).pow(2).mean().item()
         if loss < best_loss:
             best_loss, best_scales = loss, scales.clone()
     for fc, w in zip(group.linears, originals):
@@ -79,7 +79,7 @@ def search_scales(group: ScaleGroup, group_size: int, n_grid: int = 20, duo_scal
 
 def _relative_weight_mean(linears: list[nn.Linear], group_size: int) -> torch.Tensor:
     """Mean over output rows of |w| / max|w| within each quantization group: [in]."""
-    weight = torch.cat([fc.weight.data for fc in linears], dim=0).float()  # [out_total, in]
+    weight = working(torch.cat([fc.weight.data for fc in linears], dim=0))  # [out_total, in]
     g = effective_group(group_size, weight.shape[1])
     grouped = weight.abs().reshape(-1, g)
     relative = grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)
@@ -121,12 +121,12 @@ def search_clip(weight: torch.Tensor, inputs: torch.Tensor, group_size: int, n_g
     """
     out_features, in_features = weight.shape
     g = effective_group(group_size, in_features)
-    x = inputs.reshape(-1, in_features).float()
+    x = working(inputs.reshape(-1, in_features))
     xg = x.reshape(x.shape[0], -1, g).transpose(0, 1)  # [n_groups, tokens, G]
     gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [n_groups, G, G]
     results = []
     for start in range(0, out_features, row_chunk):
-        w = weight[start:start + row_chunk].float()
+        w = working(weight[start:start + row_chunk])
         w = w.reshape(w.shape[0], -1, g).transpose(0, 1).contiguous()  # [n_groups, rows, G]
         org_max = w.abs().amax(dim=-1, keepdim=True)  # [n_groups, rows, 1]
         best_max = org_max.clone()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -82,23 +83,64 @@ def load_dense_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
+def _windows(input_ids: torch.Tensor, window: int):
+    """Non-overlapping windows of ``input_ids`` [num_tokens], each one token longer than the inputs it scores."""
+    for start in range(0, input_ids.numel() - 1, window):
+        chunk = input_ids[start:start + window + 1]
+        if chunk.numel() >= 2:
+            yield chunk
+
+
 @torch.no_grad()
 def perplexity(model, input_ids: torch.Tensor, window: int = 2048) -> float:
     """exp(mean next-token negative log-likelihood) over ``input_ids`` [num_tokens], in non-overlapping windows."""
     total_nll, total_tokens = 0.0, 0
-    for start in range(0, input_ids.numel() - 1, window):
-        chunk = input_ids[start:start + window + 1]
-        if chunk.numel() < 2:
-            break
+    for chunk in _windows(input_ids, window):
         logits = model(chunk[None, :-1]).logits[0].float()  # [len, vocab]
-        nll = torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum")
-        total_nll += nll.item()
+        total_nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
         total_tokens += chunk.numel() - 1
     return math.exp(total_nll / total_tokens)
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """How a (quantized) model compares with its full-precision reference on the same text."""
+
+    perplexity: float
+    reference_perplexity: float
+    top1_agreement: float  # fraction of positions whose most likely next token is the reference's
+
+    @property
+    def perplexity_ratio(self) -> float:
+        return self.perplexity / self.reference_perplexity
+
+
+@torch.no_grad()
+def compare(model, reference, input_ids: torch.Tensor, window: int = 2048) -> Agreement:
+    """Teacher-forced comparison on ``input_ids`` [num_tokens]: both perplexities and top-1 agreement.
+
+    Top-1 agreement asks, at every position of the real text, whether the model would greedily pick the token
+    the reference picks: closer to what a user sees than perplexity, without hanging on one sampled answer.
+    """
+    nll = {"model": 0.0, "reference": 0.0}
+    agree, total = 0, 0
+    for chunk in _windows(input_ids, window):
+        targets = chunk[1:]
+        logits = model(chunk[None, :-1]).logits[0].float()  # [len, vocab]
+        ref_logits = reference(chunk[None, :-1]).logits[0].float()  # [len, vocab]
+        nll["model"] += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        nll["reference"] += torch.nn.functional.cross_entropy(ref_logits, targets, reduction="sum").item()
+        agree += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
+        total += targets.numel()
+    return Agreement(math.exp(nll["model"] / total), math.exp(nll["reference"] / total), agree / total)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m engine.quant.evaluate DIR [DIR ...] [--text FILE]``: perplexity of each checkpoint."""
+    """``python -m engine.quant.evaluate DIR [DIR ...] [--text FILE] [--reference DIR]``: quality of checkpoints.
+
+    With ``--reference`` (the fp16 model they were built from) each line adds the perplexity ratio and the
+    teacher-forced top-1 agreement, the figures tests/test_quantized_chat.py bounds.
+    """
     import argparse
 
     from transformers import AutoTokenizer
@@ -106,11 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Perplexity of dense or AWQ/GPTQ checkpoints (via Pagoda's loader)")
     parser.add_argument("model_dirs", nargs="+", type=Path)
     parser.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "data" / "heldout.txt")
+    parser.add_argument("--reference", type=Path, default=None, help="full-precision model to compare with")
     args = parser.parse_args(argv)
+    reference = load_dense_model(args.reference) if args.reference else None
     for model_dir in args.model_dirs:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         ids = torch.tensor(tokenizer(args.text.read_text()).input_ids)
-        print(f"{model_dir}: perplexity {perplexity(load_dense_model(model_dir), ids):.3f} on {ids.numel()} tokens")
+        model = load_dense_model(model_dir)
+        if reference is None:
+            print(f"{model_dir}: perplexity {perplexity(model, ids):.3f} on {ids.numel()} tokens")
+            continue
+        result = compare(model, reference, ids)
+        print(f"{model_dir}: perplexity {result.perplexity:.3f} (reference {result.reference_perplexity:.3f}, "
+              f"ratio {result.perplexity_ratio:.4f}), top-1 agreement {result.top1_agreement:.4f} "
+              f"on {ids.numel()} tokens")
 
 
 if __name__ == "__main__":

@@ -22,18 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.quant.rtn import effective_group, fit_minmax, quantize_codes
+from engine.quant.rtn import effective_group, fit_minmax, quantize_codes, working
 
 
 class HessianAccumulator:
-    """Running ``H = 2/N * sum x x^T`` over calibration tokens of one linear input."""
+    """Running ``H = 2/N * sum x x^T`` over calibration tokens of one linear input (float64 inputs: float64 H)."""
 
-    def __init__(self, in_features: int, device: torch.device | str):
-        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)  # [in, in]
+    def __init__(self, in_features: int, device: torch.device | str, dtype: torch.dtype = torch.float32):
+        self.hessian = torch.zeros(in_features, in_features, dtype=dtype, device=device)  # [in, in]
         self.num_tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        x = x.reshape(-1, x.shape[-1]).to(self.hessian.dtype)  # [tokens, in]
         n = x.shape[0]
         total = self.num_tokens + n
         self.hessian.mul_(self.num_tokens / total)
@@ -43,7 +43,8 @@ class HessianAccumulator:
 
 @dataclass
 class GPTQResult:
-    """codes [out, in] float32 (original column order); scales, zeros [n_groups, out]; g_idx [in] int32."""
+    """codes [out, in] (original column order); scales, zeros [n_groups, out]; g_idx [in] int32; floats in the
+    solver's precision."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -51,7 +52,7 @@ class GPTQResult:
     g_idx: torch.Tensor
 
     def dequantize(self) -> torch.Tensor:
-        """Dense [out, in] float32 weight."""
+        """Dense [out, in] weight."""
         groups = self.g_idx.long()
         return (self.codes - self.zeros[groups].t()) * self.scales[groups].t()
 
@@ -91,8 +92,9 @@ def _single_threaded_on_cpu(device: torch.device) -> Iterator[None]:
 
 
 def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
-    w = weight.detach().clone().float()  # [out, in]
-    h = hessian.detach().clone().float()
+    dtype = torch.promote_types(working(weight).dtype, working(hessian).dtype)
+    w = weight.detach().to(dtype, copy=True)  # [out, in]
+    h = hessian.detach().to(dtype, copy=True)
     _out_features, in_features = w.shape
     group = effective_group(cfg.group_size, in_features)
 

@@ -4,12 +4,17 @@ The model is processed one decoder layer at a time, as AutoAWQ and GPTQ do: the 
 entering layer ``i`` are the outputs of layers ``0..i-1`` *after* they were quantized, so each layer
 compensates for what the earlier ones lost. Inside a layer the linear layers are quantized in execution
 order (q/k/v, o, gate/up, down; GPTQ's ``true_sequential``) and each group sees inputs computed through the
-already-quantized ones. Only the layer being worked on is moved to ``device`` (and to float32).
+already-quantized ones. Only the layer being worked on is moved to ``device``.
 
 The output is what AutoAWQ (GEMM) or AutoGPTQ (v1 zero-points) would have written: ``model.safetensors``
 with their tensor names, dtypes and shapes, ``config.json`` with the matching ``quantization_config``, and
 every tokenizer / chat template / generation config file of the source, so that Pagoda, vLLM or
 transformers can load it. RTN (the baseline) is written in the AWQ layout.
+
+The same inputs give the same bytes on any machine: calibration uses consecutive windows of a fixed text
+(nothing is sampled), and on CPU the whole model is computed in float64, so that which scale, clip, code or
+column order wins does not hinge on summation order (thread count, SIMD width, BLAS build). In float32 those
+near-ties flipped between machines and the builds, and their answers, differed.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def quantize_model(src_dir: Path | str, out_dir: Path | str, method: str, group_
     ``method``: 'awq' (AutoAWQ GEMM output), 'gptq' (AutoGPTQ v1 output; ``desc_act`` and ``sym`` apply) or
     'rtn' (plain round-to-nearest, AWQ layout). Calibration uses ``num_samples`` windows of ``seq_len``
     tokens of ``calibration_path`` (default: data/calibration.txt). Extra keyword ``options`` go to
-    ``QuantizeOptions`` (n_grid, clip, duo_scaling, damp_percent, cpu_threads). Returns ``out_dir``.
+    ``QuantizeOptions`` (n_grid, clip, duo_scaling, damp_percent, cpu_threads, precision). Returns ``out_dir``.
     """
     opts = _validate_options(method, group_size, bits, sym, desc_act, options)
     src_dir, out_dir = Path(src_dir), Path(out_dir)
@@ -64,11 +69,11 @@ def quantize_model(src_dir: Path | str, out_dir: Path | str, method: str, group_
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     with _cpu_threads(opts.cpu_threads if dev.type == "cpu" else None):
-        model, tokenizer = _load_model(src_dir)
+        model, tokenizer = _load_model(src_dir, opts.compute_dtype(dev))
         layers, layers_prefix = _decoder_layers(model)
         _check_shapes(layers, opts.group_size)
         log(f"quantizing {src_dir.name} with {opts.method} (group_size {opts.group_size}, {len(layers)} layers) "
-            f"on {dev}")
+            f"on {dev} in {str(opts.compute_dtype(dev)).removeprefix('torch.')}")
         if opts.method == "rtn":
             results = quantize_rtn_layers(layers, layers_prefix, opts)
         else:
@@ -110,9 +115,11 @@ def _validate_options(method: str, group_size: int, bits: int, sym: bool, desc_a
     if method != "gptq" and (sym or desc_act):
         raise EngineError(f"sym and desc_act are GPTQ options; {method} writes zero-point AWQ GEMM weights",
                           param="sym" if sym else "desc_act")
-    unknown = set(options) - {"damp_percent", "n_grid", "duo_scaling", "clip", "cpu_threads"}
+    unknown = set(options) - {"damp_percent", "n_grid", "duo_scaling", "clip", "cpu_threads", "precision"}
     if unknown:
         raise EngineError(f"unknown quantizer option(s): {', '.join(sorted(unknown))}", param=min(unknown))
+    if options.get("precision") not in (None, "float32", "float64"):
+        raise EngineError(f"precision must be float32 or float64, got {options['precision']!r}", param="precision")
     return QuantizeOptions(method, group_size, bits, sym, desc_act, **options)
 
 
@@ -147,10 +154,10 @@ def _largest_divisor(size: int) -> int:
     return next(g for g in (128, 64, 32, 16, 8) if size % g == 0) if size % 8 == 0 else -1
 
 
-def _load_model(src_dir: Path):
+def _load_model(src_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=dtype, attn_implementation="sdpa")
     model.eval()
     return model, AutoTokenizer.from_pretrained(src_dir)
 
@@ -238,11 +245,13 @@ def _quantize_sequential(model: nn.Module, layers: nn.ModuleList, layers_prefix:
     return results
 
 
+# Bundled builds run on the CPU in float64 with a pinned thread count, whatever the machine offers.
+BUNDLED_COMMON = {"device": "cpu", "precision": "float64", "cpu_threads": 2}
 BUNDLED_SETTINGS = {
     # 32 divides SmolLM2's 576 and 1536 (128 does not divide 576); g64 lost 12-16% perplexity, g32 7-9%.
-    "awq": {"group_size": 32, "num_samples": 8, "seq_len": 256},
+    "awq": {"group_size": 32, "num_samples": 8, "seq_len": 256, **BUNDLED_COMMON},
     # Act-order was worth 8 points of perplexity at g32 on this model (26.6 -> 24.6 on data/heldout.txt).
-    "gptq": {"group_size": 32, "num_samples": 16, "seq_len": 256, "desc_act": True},
+    "gptq": {"group_size": 32, "num_samples": 16, "seq_len": 256, "desc_act": True, **BUNDLED_COMMON},
 }
 
 

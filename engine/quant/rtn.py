@@ -10,6 +10,10 @@ checkpoint must behave exactly like the tool it imitates:
 
 Scales are rounded to float16 before codes are computed, since that is how they are stored: the error the
 quantizer measures is then exactly the error the loaded checkpoint has.
+
+Every function computes in the precision of its input, half types raised to float32 (``working``): the
+quantizer feeds float64 so that which code, scale or clip wins does not depend on summation order (thread
+count, CPU model), and the same inputs give the same bytes on any machine.
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ from __future__ import annotations
 import torch
 
 
+def working(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the precision the quantizer computes in: float64 stays float64, anything else becomes float32."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def fit_minmax(w: torch.Tensor, maxq: int = 15, sym: bool = False, include_zero: bool = False,
                min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero-point per row of ``w`` ([rows, group]) -> (scale [rows], zero [rows]), both float32.
+    """Scale and zero-point per row of ``w`` ([rows, group]) -> (scale [rows], zero [rows]), in ``w``'s precision.
 
     ``min_zero`` (1 for GPTQ v1 checkpoints, which store ``zero - 1``) keeps the zero-point representable.
     """
-    w = w.float()
+    w = working(w)
     wmin = w.amin(dim=1)
     wmax = w.amax(dim=1)
     if include_zero:
@@ -44,13 +53,13 @@ def fit_minmax(w: torch.Tensor, maxq: int = 15, sym: bool = False, include_zero:
 
 
 def to_fp16_grid(scale: torch.Tensor) -> torch.Tensor:
-    """Round float32 scales to the nearest positive float16 value (how checkpoints store them)."""
-    return scale.half().float().clamp(min=2.0 ** -24)
+    """Round scales to the nearest positive float16 value (how checkpoints store them), kept in their precision."""
+    return scale.half().to(scale.dtype).clamp(min=2.0 ** -24)
 
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int = 15) -> torch.Tensor:
-    """Codes of ``w`` on the grid; ``scale``/``zero`` broadcast against ``w``. Returns float32 codes 0..maxq."""
-    return (w.float() / scale).round_().add_(zero).clamp_(0, maxq)
+    """Codes of ``w`` on the grid; ``scale``/``zero`` broadcast against ``w``. Returns codes 0..maxq as floats."""
+    return (working(w) / scale).round_().add_(zero).clamp_(0, maxq)
 
 
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -62,11 +71,11 @@ def quantize_grouped(weight: torch.Tensor, group_size: int, maxq: int = 15, sym:
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain round-to-nearest of a dense weight with contiguous groups along the input dimension.
 
-    weight: [out, in] -> (codes [out, in] float32, scales [in // G, out], zeros [in // G, out]).
+    weight: [out, in] -> (codes [out, in], scales [in // G, out], zeros [in // G, out]).
     """
     out_features, in_features = weight.shape
     g = check_group_size(group_size, in_features)
-    grouped = weight.float().reshape(out_features, in_features // g, g)  # [out, n_groups, G]
+    grouped = working(weight).reshape(out_features, in_features // g, g)  # [out, n_groups, G]
     scale, zero = fit_minmax(grouped.reshape(-1, g), maxq, sym, include_zero, min_zero)
     scale = scale.reshape(out_features, -1, 1)
     zero = zero.reshape(out_features, -1, 1)
@@ -78,17 +87,17 @@ def fake_quantize(weight: torch.Tensor, group_size: int, maxq: int = 15) -> torc
     """Quantize-dequantize a dense [out, in] weight on AutoAWQ's min/max grid (its ``pseudo_quantize_tensor``)."""
     out_features, in_features = weight.shape
     g = effective_group(group_size, in_features)
-    grouped = weight.float().reshape(out_features, in_features // g, g)  # [out, n_groups, G]
+    grouped = working(weight).reshape(out_features, in_features // g, g)  # [out, n_groups, G]
     return fake_quantize_groups(grouped, maxq).reshape(out_features, in_features)
 
 
 def fake_quantize_groups(w: torch.Tensor, maxq: int = 15) -> torch.Tensor:
-    """Quantize-dequantize along the last dimension (one group per row of it); float32 in and out.
+    """Quantize-dequantize along the last dimension (one group per row of it), in ``w``'s precision.
 
     The AWQ searches call this hundreds of times per layer, so it takes a few passes over the data:
     ``clamp(round(w / s), -z, maxq - z) * s`` equals ``(clamp(round(w / s) + z, 0, maxq) - z) * s`` for the
-    integer ``z``. Scales stay float32 here (the float16 rounding of the final codes does not change which
-    scale or clip wins, and converting to float16 is slow on CPUs without F16C).
+    integer ``z``. Scales are not rounded to float16 here (the float16 rounding of the final codes does not change
+    which scale or clip wins, and converting to float16 is slow on CPUs without F16C).
     """
     wmin, wmax = torch.aminmax(w, dim=-1, keepdim=True)
     scale = (wmax - wmin).clamp_(min=1e-5).div_(maxq)
@@ -98,7 +107,7 @@ def fake_quantize_groups(w: torch.Tensor, maxq: int = 15) -> torch.Tensor:
 
 def dequantize_dense(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                      g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """codes [out, in], scales/zeros [n_groups, out] -> dense [out, in] float32 weight."""
+    """codes [out, in], scales/zeros [n_groups, out] -> dense [out, in] weight in the codes' precision."""
     in_features = codes.shape[1]
     groups = g_idx.long() if g_idx is not None else torch.arange(in_features, device=codes.device) // group_size
     return (codes - zeros[groups].t()) * scales[groups].t()
