@@ -172,9 +172,13 @@ class _Worker:
         self._closed_error: BaseException | None = None  # set once stop is requested
         self._stats: dict = dict(engine.stats())
         self.loaded_at = time.time()
+        self._warmed_up = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"pagoda-engine-{self.model_name}-{id(self):x}",
                                        daemon=True)
         self.thread.start()
+        self._warmed_up.wait()  # the model serves once its loop thread has warmed up (engine/warmup.py)
+        if self._closed_error is not None:
+            raise copy.copy(self._closed_error)
 
     # ---- any thread -------------------------------------------------------------------------------------
     def submit_add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -208,12 +212,27 @@ class _Worker:
     # ---- the loop thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._warm_up()
             self._loop()
         except BaseException as exc:  # never leave callers waiting on a dead thread
             log.exception("the engine loop of %s crashed", self.model_name)
             with self._cond:
                 self._closed_error = self._closed_error or EngineStepError(f"the engine loop crashed: {exc!r}")
             self._fail_all()
+
+    def _warm_up(self) -> None:
+        """Warm the engine up from this thread (engine/warmup.py); a failure closes the worker before the
+        constructor, waiting on ``_warmed_up``, looks."""
+        try:
+            warm_up = getattr(self.engine, "warm_up", None)
+            if warm_up is not None:  # test doubles of the engine have none
+                warm_up()
+        except BaseException as exc:
+            with self._cond:
+                self._closed_error = EngineStepError(f"warming up {self.model_name} failed: {exc!r}")
+            raise
+        finally:
+            self._warmed_up.set()
 
     def _loop(self) -> None:
         while True:
@@ -571,7 +590,11 @@ class AsyncEngine:
 
     def _start(self, args: EngineArgs) -> _Worker:
         engine = self._loader(args)
-        worker = _Worker(engine, args)
+        try:
+            worker = _Worker(engine, args)
+        except EngineStepError:  # its warm-up failed: nothing serves this engine
+            engine.release()
+            raise
         self._worker = worker
         return worker
 

@@ -194,6 +194,7 @@ class StepGraphs:
                 log.debug("graph %s %d: warm-up %.3f s (host: compile, autotune), capture %.3f s", kind, size,
                           t1 - t0, time.perf_counter() - t1)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._replay_each_once()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # drop what the warm-ups left in the general pool
         static = sum(r.device_tensor.numel() * r.device_tensor.element_size() for r in self.buffers.regions())
@@ -203,6 +204,13 @@ class StepGraphs:
         log.info("captured %d CUDA graphs (decode batch 1..%d, ragged steps of 16..%d tokens) in %.2f s, %.1f MiB",
                  len(self.graphs), self.decode_sizes[-1], self.ragged_sizes[-1], self.capture_seconds,
                  self.pool_bytes / 2**20)
+
+    def _replay_each_once(self) -> None:
+        """Launch every graph once on its dummy inputs: a graph's first launch uploads it to the device, which
+        would otherwise fall on the first request of that size."""
+        for kind, size in self.graphs:
+            self._captured_batch(kind, size)  # stage the shape's harmless inputs (no KV slot is written)
+            self.graphs[kind, size].replay()
 
     def shape_for(self, inputs: StepInputs) -> tuple[str, int] | None:
         """The captured shape that covers this step, or None (run it eagerly)."""

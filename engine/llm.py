@@ -16,6 +16,7 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_args):
         self.engine = LLMEngine(EngineArgs(model=model).with_overrides(**engine_args))
+        self.engine.warm_up()  # offline generation steps the engine from this thread
         self._ids = itertools.count()
 
     @property

@@ -10,18 +10,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from engine.bundled import pagoda_home
 from engine.catalog import resolve_model
-
 from engine.config import EngineArgs, ModelConfig, parse_bytes, resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import read_config_dict
 from engine.model_runner import ModelRunner
-from engine.request import (CompletionOutput, EngineError, Request, RequestOutput, RequestStatus,
-                            SamplingParams)
+from engine.request import (
+    CompletionOutput,
+    EngineError,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
 from engine.sampler import validate_for_vocab
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
+from engine.warmup import run_warmup_requests, settle_garbage_collector, use_triton_cache_under
 
 log = logging.getLogger("pagoda.engine")
 
@@ -70,6 +77,8 @@ class LLMEngine:
         self.args = args
         started = time.perf_counter()
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda":
+            use_triton_cache_under(pagoda_home())
         self.model_dir, self.model_name = resolve_model(args.model, log=log_fn)
         config = ModelConfig.from_dict(read_config_dict(self.model_dir))
         self.dtype = resolve_dtype(args.dtype, self.device, config.torch_dtype)
@@ -96,10 +105,25 @@ class LLMEngine:
         log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
                f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
                f"{layout.capacity_tokens / self.max_model_len:.2f}x")
+        eager_steps = self.runner.warm_up_eager_steps()
         graphs = self.runner.graphs
         log_fn(f"{self.model_name}: engine ready in {time.perf_counter() - started:.2f} s (tokenizer "
                f"{tokenizer_seconds:.2f} s, weights {self.runner.load_seconds:.2f} s, KV sizing "
-               f"{self.runner.sizing_seconds:.2f} s, CUDA graphs {graphs.capture_seconds if graphs else 0.0:.2f} s)")
+               f"{self.runner.sizing_seconds:.2f} s, CUDA graphs {graphs.capture_seconds if graphs else 0.0:.2f} s, "
+               f"{eager_steps} eager warm-up forwards)")
+
+    def warm_up(self, log_fn: Callable[[str], None] = log.info) -> float:
+        """On a GPU, take the sampler's paths and a long prompt's eager step once (engine/warmup.py), from the
+        thread that will step the engine: cuBLAS handles and the current stream are per thread. Returns the
+        seconds it took (0 on CPU, where nothing is compiled or loaded on first use)."""
+        if self.device.type != "cuda":
+            return 0.0
+        started = time.perf_counter()
+        steps = run_warmup_requests(self)
+        settle_garbage_collector()
+        seconds = time.perf_counter() - started
+        log_fn(f"{self.model_name}: warm-up requests took {seconds:.2f} s ({steps} steps)")
+        return seconds
 
     def _require_fit_before_load(self, config: ModelConfig) -> None:
         """Refuse, before reading any weights, a max_model_len whose one full request cannot fit the budget."""

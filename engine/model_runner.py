@@ -17,6 +17,7 @@ from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
 from engine.request import EngineError, Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
+from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
 
 log = logging.getLogger("pagoda.runner")
@@ -122,6 +123,23 @@ class ModelRunner:
             log.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them and sampling: the "
                         "process may exceed its memory budget by the difference", self.graphs.pool_bytes / 2**20,
                         self.memory_profile.decode_reserve / 2**20)
+
+    def warm_up_eager_steps(self) -> int:
+        """Run one eager forward at the full token budget per sequence-count bucket, so the kernel variants of
+        long prefill chunks and mixed steps are compiled before serving (engine/warmup.py says why); returns
+        how many ran. Nothing to do on CPU or with the reference kernels."""
+        if self.device.type != "cuda" or not self.backend.use_triton:
+            return 0
+        from kernels.triton.prefill_attention import SEQ_BLOCK_FLOOR
+
+        num_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
+        if self.graphs is not None and num_tokens <= self.graphs.ragged_sizes[-1]:
+            return 0  # every ragged step fits a graph, all captured already
+        buckets = [s for s in eager_seq_buckets(self.args.max_num_seqs, SEQ_BLOCK_FLOOR) if s <= num_tokens]
+        for num_seqs in buckets:
+            self.model.forward(eager_step(num_tokens, num_seqs, self.args.block_size).to_batch(self.device))
+        torch.cuda.synchronize(self.device)
+        return len(buckets)
 
     # ---- KV cache sizing -------------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:

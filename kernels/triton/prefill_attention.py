@@ -93,7 +93,9 @@ def _attn_tile(
     return acc, m_i, l_i
 
 
-@triton.jit
+# num_seqs and the block-table row stride (the step's widest table) change every eager step and only bound
+# loops and offsets: not specialized, so one binary serves every step of a sequence bucket (seq_block).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bts"])
 def _prefill_kernel(
     q_ptr,
     k_cache,
@@ -234,6 +236,16 @@ def _config(head_dim: int, device: torch.device) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
+SEQ_BLOCK_FLOOR = 64  # smallest BLOCK_S: steps of 1 .. 64 sequences share one compiled kernel
+
+
+def seq_block(num_seqs: int) -> int:
+    """BLOCK_S for ``num_seqs`` sequences: the lanes that find each query tile's sequence. Buckets from
+    SEQ_BLOCK_FLOOR up, so an engine meets at most log2(max_num_seqs / 64) + 1 variants (warmed at start-up);
+    64 lanes of prefix sum cost nothing next to a tile of attention."""
+    return max(SEQ_BLOCK_FLOOR, next_pow2(num_seqs))
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -288,7 +300,7 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=next_pow2(head_dim),
         BLOCK_SIZE=block_size,
-        BLOCK_S=next_pow2(num_seqs),
+        BLOCK_S=seq_block(num_seqs),
         **cfg,
     )
     return out

@@ -135,7 +135,7 @@ def _prune(configs, named_args, **kwargs):
     prune_configs_by={"early_config_prune": _prune},
     **autotune_disk_cache(),
 )
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M only bounds rows: one binary for every eager step size
 def _w4a16_kernel(
     x_ptr,
     qw_ptr,
