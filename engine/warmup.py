@@ -30,8 +30,6 @@ import numpy as np
 from engine.cuda_graph import StepInputs
 from engine.request import SamplingParams
 
-LONG_PROMPT_LEN = 600  # tokens: more than the largest ragged graph (512), so one step runs eagerly
-
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 
 # Sampled warm-up requests: greedy, and one that switches on every sampler feature at once.
@@ -42,6 +40,7 @@ WARMUP_SAMPLING = (
                    min_tokens=1, max_tokens=3, ignore_eos=True),
 )
 WARMUP_PROMPT_LEN = 24
+LONG_PROMPT_LEN = 600  # tokens: more than the largest ragged graph (512), so one step runs eagerly
 
 
 def use_triton_cache_under(home: Path) -> None:
