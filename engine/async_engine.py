@@ -2,9 +2,10 @@
 
 Why a thread: ``LLMEngine.step()`` is blocking torch work. Running it on the event loop would freeze every
 HTTP connection (and the UI) for the length of a step, so one thread per loaded model owns its LLMEngine and
-is the only code that ever touches it. Everything else talks to that thread through an ordered command queue
-(add, abort, stop) guarded by a condition variable; the thread sleeps on the condition when there is nothing
-to do, so an idle server burns no CPU.
+is the only code that ever touches it. Everything else talks to that thread through an ordered queue of typed
+commands (``AddRequest``, ``AbortRequest``, ``RefreshSnapshot``, ``Stop``) guarded by a condition variable; the
+thread sleeps on the condition when there is nothing to do, so an idle server burns no CPU. After each step the
+thread publishes a frozen ``EngineSnapshot`` (engine/snapshot.py): the only thing other threads read.
 
 Outputs travel back with ``loop.call_soon_threadsafe``. ``RequestOutput`` text and token ids are cumulative,
 so a stream keeps only the newest output (a slow consumer never grows a queue: it just sees bigger deltas);
@@ -40,6 +41,7 @@ from pathlib import Path
 from engine.config import EngineArgs, resolve_device
 from engine.request import EngineError, Logprob, RequestOutput, SamplingParams
 from engine.sampler import validate_for_vocab
+from engine.snapshot import EngineSnapshot, MemorySnapshot
 
 log = logging.getLogger("pagoda.async_engine")
 
@@ -154,23 +156,62 @@ class _Stream:
         return output
 
 
+# ---- commands to the loop thread -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    """Admit a request; the engine's answer (accepted, or the EngineError) goes to ``stream.added``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    stream: _Stream
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End a request and free its KV blocks before the next step (unknown or finished ids: no-op)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RefreshSnapshot:
+    """Publish a snapshot with a fresh memory report now (a reader found it old while the loop was idle)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Fail every in-flight request with the closing error, release the engine and end the thread."""
+
+
+Command = AddRequest | AbortRequest | RefreshSnapshot | Stop
+
+MEMORY_REFRESH_SECONDS = 0.5  # while stepping, the memory report is re-read at most this often
+
+
 # ---- the loop thread of one loaded model ---------------------------------------------------------------------
 class _Worker:
-    """Owns one LLMEngine and the thread that steps it. Only that thread calls the engine after construction."""
+    """Owns one LLMEngine and the thread that steps it. Only that thread calls the engine after construction;
+    other threads read ``snapshot()`` (engine/snapshot.py), replaced after every step."""
 
     def __init__(self, engine, args: EngineArgs):
         self.engine = engine
         self.args = args
         self.model_name: str = engine.model_name
+        self.model_dir = getattr(engine, "model_dir", None)
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         config = getattr(engine, "model_config", None)
         self.vocab_size: int = getattr(config, "vocab_size", None) or self.tokenizer.vocab_size
         self._cond = threading.Condition()
-        self._commands: deque[tuple] = deque()
+        self._commands: deque[Command] = deque()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._closed_error: BaseException | None = None  # set once stop is requested
-        self._stats: dict = dict(engine.stats())
+        self._snapshot: EngineSnapshot | None = None  # replaced (never mutated) by the loop thread
+        self._memory: MemorySnapshot | None = None  # loop thread only
+        self._num_steps = 0  # loop thread only
+        self._refresh_pending = False
         self.loaded_at = time.time()
         self._warmed_up = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"pagoda-engine-{self.model_name}-{id(self):x}",
@@ -183,12 +224,12 @@ class _Worker:
     # ---- any thread -------------------------------------------------------------------------------------
     def submit_add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                    params: SamplingParams, stream: _Stream) -> None:
-        self._push(("add", request_id, prompt, prompt_token_ids, params, stream))
+        self._push(AddRequest(request_id, prompt, prompt_token_ids, params, stream))
 
     def abort(self, request_id: str) -> None:
         with self._cond:
             if self._closed_error is None:
-                self._commands.append(("abort", request_id))
+                self._commands.append(AbortRequest(request_id))
                 self._cond.notify()
 
     def stop(self, error: BaseException) -> None:
@@ -196,13 +237,32 @@ class _Worker:
         with self._cond:
             if self._closed_error is None:
                 self._closed_error = error
-                self._commands.append(("stop",))
+                self._commands.append(Stop())
                 self._cond.notify()
 
-    def stats(self) -> dict:
-        return self._stats  # replaced (never mutated) by the loop thread: a consistent snapshot
+    def snapshot(self, max_memory_age: float | None = None, wait: float = 0.0) -> EngineSnapshot | None:
+        """The latest snapshot (None once stopped). With ``max_memory_age``, a memory report older than that
+        makes the loop publish a fresh one; ``wait`` seconds at most are spent waiting for it (an idle loop
+        answers at once; a busy one refreshes on its own every MEMORY_REFRESH_SECONDS)."""
+        snapshot = self._snapshot
+        if snapshot is None or max_memory_age is None:
+            return snapshot
+        memory = snapshot.memory
+        if memory is not None and time.monotonic() - memory.taken_at <= max_memory_age:
+            return snapshot
+        with self._cond:
+            if self._closed_error is not None:
+                return self._snapshot
+            if not self._refresh_pending:
+                self._refresh_pending = True
+                self._commands.append(RefreshSnapshot())
+                self._cond.notify()
+            if wait > 0:
+                self._cond.wait_for(lambda: self._snapshot is not snapshot or self._closed_error is not None,
+                                    timeout=wait)
+        return self._snapshot
 
-    def _push(self, command: tuple) -> None:
+    def _push(self, command: Command) -> None:
         with self._cond:
             if self._closed_error is not None:
                 raise copy.copy(self._closed_error)  # one instance per raise: tracebacks must not pile up
@@ -219,14 +279,16 @@ class _Worker:
             with self._cond:
                 self._closed_error = self._closed_error or EngineStepError(f"the engine loop crashed: {exc!r}")
             self._fail_all()
+            self._publish_none()
 
     def _warm_up(self) -> None:
-        """Warm the engine up from this thread (engine/warmup.py); a failure closes the worker before the
-        constructor, waiting on ``_warmed_up``, looks."""
+        """Warm the engine up from this thread (engine/warmup.py) and publish the first snapshot; a failure
+        closes the worker before the constructor, waiting on ``_warmed_up``, looks."""
         try:
             warm_up = getattr(self.engine, "warm_up", None)
             if warm_up is not None:  # test doubles of the engine have none
                 warm_up()
+            self._publish(refresh_memory=True)
         except BaseException as exc:
             with self._cond:
                 self._closed_error = EngineStepError(f"warming up {self.model_name} failed: {exc!r}")
@@ -241,34 +303,67 @@ class _Worker:
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
-            if self._apply(commands):
+            refresh = self._apply(commands)
+            if refresh is None:
                 return
-            outputs = self._step() if self.engine.has_unfinished_requests() else []
-            self._stats = dict(self.engine.stats())  # before delivery: a finished stream sees its own effect
+            stepped = self.engine.has_unfinished_requests()
+            outputs = self._step() if stepped else []
+            self._num_steps += stepped
+            self._publish(refresh_memory=refresh)  # before delivery: a finished stream sees its own effect
             self._deliver(outputs)
 
-    def _apply(self, commands: list[tuple]) -> bool:
-        """Run queued commands in order; True when the worker must stop."""
+    def _apply(self, commands: list[Command]) -> bool | None:
+        """Run queued commands in order. None when the worker must stop, else whether a fresh memory report
+        was asked for."""
+        refresh = False
         for command in commands:
-            kind = command[0]
-            if kind == "add":
-                self._add(*command[1:])
-            elif kind == "abort":
-                self._abort(command[1])
-            elif kind == "stop":
-                self._shutdown()
-                return True
-        return False
+            match command:
+                case AddRequest():
+                    self._add(command)
+                case AbortRequest(request_id):
+                    self._abort(request_id)
+                case RefreshSnapshot():
+                    refresh = True
+                case Stop():
+                    self._shutdown()
+                    return None
+        return refresh
 
-    def _add(self, request_id: str, prompt, prompt_token_ids, params, stream: _Stream) -> None:
+    def _publish(self, refresh_memory: bool = False) -> None:
+        """Build this step's snapshot and swap it in (one reference assignment: readers see old or new)."""
+        now = time.monotonic()
+        if refresh_memory or self._memory is None or now - self._memory.taken_at >= MEMORY_REFRESH_SECONDS:
+            self._memory = self._read_memory(now)
+        snapshot = self.engine.snapshot(step=self._num_steps, memory=self._memory)
+        with self._cond:
+            self._snapshot = snapshot
+            self._refresh_pending = False
+            self._cond.notify_all()
+
+    def _publish_none(self) -> None:
+        with self._cond:
+            self._snapshot = None
+            self._refresh_pending = False
+            self._cond.notify_all()
+
+    def _read_memory(self, now: float) -> MemorySnapshot | None:
         try:
-            self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params)
+            return MemorySnapshot(self.engine.memory_report(), now)
+        except Exception:  # an optional figure: the snapshot goes out without it
+            log.debug("memory report failed", exc_info=True)
+            return None
+
+    def _add(self, command: AddRequest) -> None:
+        stream = command.stream
+        try:
+            self.engine.add_request(command.request_id, prompt=command.prompt,
+                                    prompt_token_ids=command.prompt_token_ids, params=command.params)
         except Exception as exc:  # noqa: BLE001 -- EngineError for bad input; anything else goes to the caller too
             stream.post(stream._set_added, exc)
             return
-        self._streams[request_id] = stream
+        self._streams[command.request_id] = stream
         if not stream.post(stream._set_added, None):
-            self._abort(request_id)
+            self._abort(command.request_id)
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -301,7 +396,7 @@ class _Worker:
             self.engine.release()
         except Exception:
             log.exception("releasing %s failed", self.model_name)
-        self._stats = {}
+        self._publish_none()
         self.engine = None  # drop the last reference from this thread
 
     def _fail_all(self) -> None:
@@ -311,8 +406,8 @@ class _Worker:
             self._commands.clear()
         error = self._closed_error
         for command in leftovers:  # adds that raced with the stop
-            if command[0] == "add":
-                command[-1].post(command[-1]._fail, copy.copy(error))
+            if isinstance(command, AddRequest):
+                command.stream.post(command.stream._fail, copy.copy(error))
         for request_id, stream in list(self._streams.items()):
             stream.post(stream._fail, copy.copy(error))
             try:
@@ -473,15 +568,29 @@ class AsyncEngine:
         return worker.loaded_at if worker else None
 
     @property
+    def model_dir(self) -> Path | None:
+        """The folder the served model was loaded from."""
+        worker = self._worker
+        return worker.model_dir if worker else None
+
+    @property
     def llm_engine(self):
-        """The served LLMEngine, for read-only introspection (its loop thread owns it: do not call step())."""
+        """The served LLMEngine, for tests and debugging only: its loop thread owns it (other threads read
+        ``snapshot()``)."""
         worker = self._worker
         return worker.engine if worker else None
+
+    def snapshot(self, max_memory_age: float | None = None, wait: float = 0.0) -> EngineSnapshot | None:
+        """The served engine as of its last step (engine/snapshot.py), or None when nothing serves. A memory
+        report older than ``max_memory_age`` seconds is refreshed, waiting ``wait`` seconds at most for it."""
+        worker = self._worker
+        return worker.snapshot(max_memory_age, wait) if worker else None
 
     def stats(self) -> dict:
         """The engine's counters as of its last step, plus what is served. Empty counters when unloaded."""
         worker = self._worker
-        stats = dict(worker.stats()) if worker else {}
+        snapshot = worker.snapshot() if worker else None
+        stats = snapshot.stats() if snapshot else {}
         stats.update(model_name=worker.model_name if worker else None, loading=self._loading,
                      max_model_len=worker.max_model_len if worker else None)
         return stats

@@ -307,13 +307,14 @@ class LLMEngine:
                              num_cached_tokens=group.samples[0].num_cached_tokens)
 
     # ---- introspection ---------------------------------------------------------------------------------------
+    def snapshot(self, step: int = 0, memory=None):
+        """The engine now as a frozen EngineSnapshot (engine/snapshot.py); the stepping thread calls this."""
+        from engine.snapshot import take_snapshot
+
+        return take_snapshot(self, step=step, memory=memory)
+
     def stats(self) -> dict:
-        stats = dict(self.scheduler.stats())
-        stats.update(prompt_tokens_total=self.counters.prompt_tokens,
-                     generation_tokens_total=self.counters.generation_tokens,
-                     request_success_total=dict(self.counters.finished),
-                     block_size=self.runner.layout.block_size, max_model_len=self.max_model_len)
-        return stats
+        return self.snapshot().stats()
 
     def memory_report(self):
         """Where the device memory goes (engine/memory.py); the dashboard and /metrics read it."""

@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names, so existing vLLM dashboards and autoscalers work unchanged.
 
-Gauges and counters are read from the engine's stats snapshot at scrape time (a custom collector: nothing to
-keep in sync, and a model switch simply changes the ``model_name`` label). Latency histograms are observed as
+Gauges and counters are read from the engine's latest ``EngineSnapshot`` at scrape time (a custom collector:
+nothing to keep in sync, no engine internals read from the scraping thread, and a model switch simply changes the
+``model_name`` label). Latency histograms are observed as
 streams progress (``RequestTiming``). Each AsyncEngine owns its own ``CollectorRegistry`` (never the global
 one), so several engines can live in one process.
 """
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.request import RequestOutput
+from engine.snapshot import EngineSnapshot
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so histogram_quantile panels line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -29,30 +31,31 @@ FINISH_REASONS = ("stop", "length", "abort")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class StatsSource(Protocol):
-    """What the collector reads: AsyncEngine.stats() and, when the engine has one, its memory report."""
+MEMORY_MAX_AGE = 1.0  # seconds: an older memory report is refreshed by the engine loop before a scrape reads it
 
-    def stats(self) -> dict: ...
 
-    @property
-    def llm_engine(self): ...
+class SnapshotSource(Protocol):
+    """What the collector reads: AsyncEngine.snapshot()."""
+
+    def snapshot(self, max_memory_age: float | None = None, wait: float = 0.0) -> EngineSnapshot | None: ...
 
 
 class _EngineStatsCollector(Collector):
-    """Reads the engine's stats snapshot on every scrape."""
+    """Reads the engine's latest snapshot on every scrape."""
 
-    def __init__(self, source: StatsSource):
+    def __init__(self, source: SnapshotSource):
         self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.source.stats()
-        name = stats.get("model_name")
+        snapshot = self.source.snapshot(max_memory_age=MEMORY_MAX_AGE, wait=0.2)
+        name = snapshot.model_name if snapshot else None
         loaded = GaugeMetricFamily("pagoda:model_loaded", "1 while a model is loaded and serving.",
                                    labels=["model_name"])
         loaded.add_metric([name or ""], 1.0 if name else 0.0)
         yield loaded
-        if not name or "num_running" not in stats:
+        if snapshot is None:
             return
+        stats = snapshot.stats()
         label = [name]
         for metric_name, doc, key in (
                 ("vllm:num_requests_running", "Requests in the running batch.", "num_running"),
@@ -82,26 +85,18 @@ class _EngineStatsCollector(Collector):
         for reason in sorted(set(FINISH_REASONS) | set(finished)):
             success.add_metric([name, reason], float(finished.get(reason, 0)))
         yield success
-        yield from self._memory(name)
+        if snapshot.memory is not None:
+            yield self._memory(name, snapshot.memory.report.as_dict())
 
-    def _memory(self, name: str) -> Iterator[Metric]:
-        """``engine.memory_report()`` byte fields, when the engine provides one (pagoda:memory_bytes{kind})."""
-        report_fn = getattr(self.source.llm_engine, "memory_report", None)
-        if report_fn is None:
-            return
-        try:
-            report = report_fn()
-            data = report if isinstance(report, dict) else (report.as_dict() if hasattr(report, "as_dict")
-                                                            else vars(report))
-            items = data.items()
-        except Exception:  # noqa: BLE001 -- a scrape must never fail because one optional source did
-            return
+    @staticmethod
+    def _memory(name: str, report: dict) -> Metric:
+        """The memory report's byte fields (pagoda:memory_bytes{kind})."""
         gauge = GaugeMetricFamily("pagoda:memory_bytes", "Where memory goes (engine.memory_report()).",
                                   labels=["model_name", "kind"])
-        for kind, value in items:
+        for kind, value in report.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 gauge.add_metric([name, str(kind)], float(value))
-        yield gauge
+        return gauge
 
 
 class RequestTiming:
@@ -134,7 +129,7 @@ class RequestTiming:
 class EngineMetrics:
     """The per-engine registry: a stats collector plus the three latency histograms."""
 
-    def __init__(self, source: StatsSource):
+    def __init__(self, source: SnapshotSource):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineStatsCollector(source))
         labels = ["model_name"]

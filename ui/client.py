@@ -20,12 +20,14 @@ from typing import Any
 
 from engine.config import EngineArgs, resolve_device
 from engine.request import EngineError, SamplingParams
+from engine.snapshot import EngineSnapshot
 from engine.tokenizer import flatten_content
 from ui.model_manager import ModelManager, UIError
 
 log = logging.getLogger("pagoda.ui")
 
 HISTORY_SECONDS = 600
+MEMORY_MAX_AGE = 1.0  # seconds: the dashboard asks the engine loop for a newer memory report than that
 
 
 def explain(exc: BaseException) -> str:
@@ -270,8 +272,12 @@ class EngineClient:
         busy = f" · loading {loading} …" if loading else ""
         return f"Serving **{name}** on {device}{suffix}{busy}"
 
-    def _stats(self) -> dict:
-        stats = self.engine.stats()
+    def _stats(self, snapshot: EngineSnapshot | None = None) -> dict:
+        """The counters of ``snapshot`` (default: the latest one) with what is served, as a flat dict."""
+        snapshot = snapshot or self.engine.snapshot()
+        stats = snapshot.stats() if snapshot else {}
+        stats.update(model_name=snapshot.model_name if snapshot else None, loading=self.loading_model,
+                     max_model_len=snapshot.max_model_len if snapshot else None)
         stats.setdefault("loaded_at", getattr(self.engine, "loaded_at", None))
         return stats
 
@@ -325,38 +331,15 @@ class EngineClient:
 
     # ---- dashboard --------------------------------------------------------------------------------------
     def dashboard(self) -> DashboardSnapshot:
-        """Stats, memory report and per-request rows as of now (cheap: no device work, no engine locks)."""
-        stats = self._stats()
-        llm = self.engine.llm_engine
-        return DashboardSnapshot(self.model_name, self.loading_model, self.device_type, stats,
-                                 self._memory(llm), self._rows(llm), self.sampler.history())
-
-    @staticmethod
-    def _memory(llm) -> dict | None:
-        report_fn = getattr(llm, "memory_report", None)
-        if report_fn is None:
-            return None
-        try:
-            report = report_fn()
-        except Exception:  # released mid-read by a switch: the next tick has the new engine
-            log.debug("memory report failed", exc_info=True)
-            return None
-        return report.as_dict() if hasattr(report, "as_dict") else dict(vars(report))
-
-    @staticmethod
-    def _rows(llm) -> list[RequestRowView]:
-        """The scheduler's request table; its loop thread may change the queues while we read, so retry."""
-        scheduler = getattr(llm, "scheduler", None)
-        if scheduler is None:
-            return []
-        for _ in range(3):
-            try:
-                rows = scheduler.request_rows()
-            except (RuntimeError, KeyError, AttributeError, IndexError):
-                continue
-            return [RequestRowView(r.request_id, r.state, r.num_prompt_tokens, r.num_output_tokens,
-                                   r.num_cached_tokens, r.num_blocks, r.num_preemptions) for r in rows]
-        return []
+        """Stats, memory report and per-request rows of one engine snapshot (the engine loop publishes one
+        after every step: nothing here reads engine internals, so nothing can change while it is read)."""
+        snapshot = self.engine.snapshot(max_memory_age=MEMORY_MAX_AGE, wait=0.2)
+        stats = self._stats(snapshot)
+        memory = snapshot.memory.report.as_dict() if snapshot and snapshot.memory else None
+        rows = [RequestRowView(r.request_id, r.state, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens,
+                               r.num_blocks, r.num_preemptions) for r in (snapshot.requests if snapshot else ())]
+        return DashboardSnapshot(snapshot.model_name if snapshot else None, self.loading_model, self.device_type,
+                                 stats, memory, rows, self.sampler.history())
 
     # ---- models -----------------------------------------------------------------------------------------
     async def load_model(self, row_id: str, max_model_len: int | None = None):

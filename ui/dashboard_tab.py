@@ -1,8 +1,9 @@
 """The Dashboard tab: live device memory bar, KV/prefix-cache/queue numbers, tokens/s plot, per-request table.
 
 Refreshed by a ``gr.Timer`` once a second that the app activates only while this tab is selected, so a page
-left on another tab (or closed) costs the server nothing. Each tick reads one ``DashboardSnapshot`` (a stats
-dict copy, the memory report and the scheduler's request rows: no device work).
+left on another tab (or closed) costs the server nothing. Each tick reads one ``DashboardSnapshot``, made from
+the engine snapshot its loop published after its last step (counts, request rows, memory report: no device work,
+no engine internals).
 """
 
 from __future__ import annotations

@@ -218,12 +218,12 @@ class ModelManager:
         args = self.engine.engine_args
         device = resolve_device(args.device)
         if device.type == "cuda":
-            llm = self.engine.llm_engine
-            profile = getattr(getattr(llm, "runner", None), "memory_profile", None)
+            snapshot = self.engine.snapshot()
+            measured = snapshot.memory_budget if snapshot else None
             props = torch.cuda.get_device_properties(device)
             limit = parse_bytes(args.gpu_memory_limit) if args.gpu_memory_limit else None
-            budget = profile.budget if profile else (min(limit, props.total_memory) if limit
-                                                    else int(props.total_memory * args.gpu_memory_utilization))
+            budget = measured if measured else (min(limit, props.total_memory) if limit
+                                                else int(props.total_memory * args.gpu_memory_utilization))
             how = (f"--gpu-memory-limit {args.gpu_memory_limit}" if limit
                    else f"{args.gpu_memory_utilization:.2f} × {format_bytes(props.total_memory)}")
             return Budget(budget, None, f"GPU budget {format_bytes(budget)} ({how}, {props.name})")

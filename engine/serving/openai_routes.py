@@ -296,9 +296,9 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         name = engine.model_name
         if name is None:
             return p.ModelList(data=[])
-        llm = engine.llm_engine
+        root = engine.model_dir
         return p.ModelList(data=[p.ModelCard(id=name, created=int(engine.loaded_at or time.time()),
-                                             root=str(getattr(llm, "model_dir", "")) or None,
+                                             root=str(root) if root else None,
                                              max_model_len=engine.max_model_len)])
 
     @router.get("/v1/models/{model_id:path}", response_model=p.ModelCard)

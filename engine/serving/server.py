@@ -8,6 +8,7 @@ The UI is not imported here: the caller passes a ``mount`` callable (``app.py`` 
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import threading
@@ -161,7 +162,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, mount: Mount | None
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": engine.model_name, "loading": engine.loading_model})
+        snapshot = engine.snapshot()
+        return JSONResponse({"status": "ok", "model": snapshot.model_name if snapshot else None,
+                             "loading": engine.loading_model})
 
     @app.get("/version")
     async def get_version() -> JSONResponse:
@@ -169,7 +172,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, mount: Mount | None
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+        # In a thread: the scrape may wait a moment for the engine loop to refresh an old memory report.
+        return Response(await asyncio.to_thread(engine.metrics.render), media_type=CONTENT_TYPE)
 
     app.add_middleware(APIGuard, settings=settings)
     if app.state.access is not None:  # added last: runs first
