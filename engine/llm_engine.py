@@ -27,6 +27,7 @@ from engine.request import (
 )
 from engine.sampler import validate_for_vocab
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 from engine.warmup import run_warmup_requests, settle_garbage_collector, use_triton_cache_under
 
@@ -99,6 +100,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill),
             self.kv_manager)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.groups: dict[str, RequestGroup] = {}
         self._text_pending: list[tuple[Request, int | None]] = []  # (request, token) whose text is due
         self.counters = EngineCounters()
@@ -170,6 +172,8 @@ class LLMEngine:
                            prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                            eos_token_ids=self.eos_token_ids, parent_id=request_id, sample_index=i)
                    for i in range(params.n)]
+        if params.structured_outputs is not None:  # compiled before anything is queued: a bad grammar is a 400
+            self.structured.add([s.request_id for s in samples], params.structured_outputs)
         added = []  # the scheduler validates each sample: add all or none
         try:
             for sample in samples:
@@ -178,6 +182,8 @@ class LLMEngine:
         except EngineError:
             for sample in added:
                 self.scheduler.abort_request(sample.request_id)
+            for sample in samples:
+                self.structured.free(sample.request_id)
             raise
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                          params.stop, params.include_stop_str_in_output, min_tokens=params.min_tokens)
@@ -204,6 +210,7 @@ class LLMEngine:
                 self.scheduler.abort_request(sample.request_id)
             self.counters.finished[sample.finish_reason] += 1  # "abort" unless it had ended before
             self.runner.free_request(sample.request_id)
+            self.structured.free(sample.request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or tokens whose text is not out yet (one more ``step``)."""
@@ -224,7 +231,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for req in plan.preempted:
             self.runner.forget_blocks(req.request_id)
-        pending = self.runner.launch(plan.scheduled, plan.copy_on_write)
+        masks = self.structured.token_masks if self.structured.num_requests else None
+        pending = self.runner.launch(plan.scheduled, plan.copy_on_write, masks)
         outputs = self._process_text(final_only)
         to_sample, sampled = pending.result()
         token_map = {} if sampled is None else {r.request_id: t for r, t in zip(to_sample, sampled.token_ids)}
@@ -236,6 +244,7 @@ class LLMEngine:
             if req.parent_id in self.groups:
                 self.counters.generation_tokens += 1
                 self._apply_token_stops(req)
+                self._apply_grammar_stop(req)
                 self._text_pending.append((req, req.output_token_ids[-1]))
         for req in plan.finished:  # the scheduler ended these itself (grew past what the KV cache can hold)
             if req.parent_id in self.groups:
@@ -259,6 +268,7 @@ class LLMEngine:
                 for sample in group.samples:
                     self.counters.finished[sample.finish_reason] += 1
                     self.runner.free_request(sample.request_id)
+                    self.structured.free(sample.request_id)
         return outputs
 
     def _apply_token_stops(self, req: Request) -> None:
@@ -278,6 +288,14 @@ class LLMEngine:
         if status is not None:
             req.stop_reason = reason
             self.scheduler.finish_request(req.request_id, status)
+
+    def _apply_grammar_stop(self, req: Request) -> None:
+        """Advance the sample's grammar by its new token; a complete grammar ends the request (before
+        min_tokens: nothing but EOS could follow), unless it ignores EOS: then EOS is all it can still sample."""
+        if req.is_finished:
+            return
+        if self.structured.accept(req, req.output_token_ids[-1]) and not req.sampling_params.ignore_eos:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _apply_text_stops(self, group: RequestGroup, req: Request, token: int | None) -> None:
         """Feed the token to the request's detokenizer; a completed stop string ends the request (or, when

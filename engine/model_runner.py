@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
 from engine.request import EngineError, Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
+from engine.structured_output import TokenMasks
 from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
 
@@ -272,9 +274,12 @@ class ModelRunner:
             is_decode=all(item.num_new_tokens == 1 for item in scheduled))
         return inputs, to_sample
 
-    def launch(self, scheduled, copy_on_write: list[tuple[int, int]]) -> PendingStep:
+    def launch(self, scheduled, copy_on_write: list[tuple[int, int]],
+               token_masks: Callable[[list[Request]], TokenMasks | None] | None = None) -> PendingStep:
         """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
-        sampling of requests whose known tokens are all computed; the device works while the caller goes on."""
+        sampling of requests whose known tokens are all computed; the device works while the caller goes on.
+        ``token_masks`` gives the grammar bitmasks of the rows to sample: it runs on the host after the forward
+        is queued, so the masks are computed while the device computes the logits."""
         self.copy_blocks(copy_on_write)
         if not scheduled:
             return PendingStep([], None)
@@ -286,7 +291,8 @@ class ModelRunner:
             logits = self.model.forward(inputs.to_batch(self.device))  # [num_sampled, vocab] float32
         if not to_sample:
             return PendingStep([], None)
-        return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample))
+        masks = token_masks(to_sample) if token_masks is not None else None
+        return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks))
 
     def release(self) -> None:
         """Drop every device tensor this runner holds so the memory can go back to the device."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputsParams
 
 
 class EngineError(ValueError):
@@ -42,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.request import EngineError, Logprob, Request, SamplingParams
+from engine.structured_output import TokenMasks
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # spreads sample_index over the 64-bit seed space
 _NEG_INF = float("-inf")
@@ -91,14 +92,17 @@ class Sampler:
         """Pick one token per row. ``logits`` is not modified."""
         return self.sample_async(logits, requests).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, requests: list[Request],
+                     token_masks: TokenMasks | None = None) -> PendingSample:
         """Queue the sampling work; the token ids travel to the host without blocking the caller, so the
         engine can do the previous step's text work while the device computes. ``logits`` must stay valid
-        until ``result()`` (the logprobs are read from it then)."""
+        until ``result()`` (the logprobs are read from it then, before any grammar mask: raw logprobs).
+        ``token_masks``: the grammar bitmasks of constrained rows (engine/structured_output.py)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} must be [num_seqs={len(requests)}, vocab]")
         logits = logits.float()  # [num_seqs, vocab]
-        processed = apply_logits_processors(logits, requests, self._history)  # [num_seqs, vocab]
+        allowed = logits if token_masks is None else apply_token_masks(logits, token_masks)
+        processed = apply_logits_processors(allowed, requests, self._history)  # [num_seqs, vocab]
         token_ids = processed.argmax(dim=-1)  # [num_seqs] greedy choice; ties -> lowest id
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
@@ -155,6 +159,25 @@ class Sampler:
             generator.manual_seed(generator_seed(request.sampling_params.seed, request.sample_index))
             self._request_generators[request.request_id] = generator
         return generator
+
+
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """A copy of ``logits`` with the tokens a row's grammar forbids at -inf (rows without a mask untouched).
+
+    The packed bitmask ([rows, ceil(vocab / 32)] int32, bit ``i % 32`` of word ``i // 32`` for token ``i``)
+    travels to the device as is (32x smaller than a bool mask) and is unpacked there with one shift-and.
+    """
+    device, vocab = logits.device, logits.shape[1]
+    packed = torch.from_numpy(masks.bitmask).to(device, non_blocking=True)  # [m, words] int32
+    shifts = torch.arange(32, device=device, dtype=torch.int32)  # [32]
+    bits = ((packed[:, :, None] >> shifts) & 1).view(packed.shape[0], -1)  # [m, words * 32]
+    if bits.shape[1] < vocab:  # the model has more logits than the grammar's vocabulary: those are never allowed
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
+    forbidden = bits[:, :vocab] == 0  # [m, vocab]
+    rows = torch.tensor(masks.rows, device=device)
+    out = logits.clone()
+    out[rows] = out[rows].masked_fill(forbidden, _NEG_INF)
+    return out
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from engine.request import EngineError
 
+_TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
+
 
 def flatten_content(content) -> str:
     """OpenAI/Gradio message content may be a string or a list of parts ({"type": "text", "text": ...})."""
@@ -73,19 +75,28 @@ class Tokenizer:
             return self._fast_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text. Messages keep their tool fields (``tool_calls``, ``tool_call_id``, ``name``) for
+        templates that render them; ``tools`` (OpenAI's function list) goes to templates that show tools."""
         if not self.hf.chat_template:
             raise EngineError("this model has no chat template; use the completions endpoint", param="messages")
         clean = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise EngineError(f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
-            clean.append({"role": message["role"], "content": flatten_content(message.get("content"))})
+            entry = {"role": message["role"], "content": flatten_content(message.get("content"))}
+            entry.update({key: message[key] for key in _TOOL_FIELDS if message.get(key) is not None})
+            clean.append(entry)
+        extra = {"tools": tools} if tools else {}
         try:
-            return self.hf.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.hf.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **extra)
         except Exception as exc:  # jinja errors from the model's template (e.g. role order rules)
             raise EngineError(f"the chat template rejected these messages: {exc}", param="messages") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Template then tokenize without adding special tokens again (the template already has them)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools),
+                           add_special_tokens=False)

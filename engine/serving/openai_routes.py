@@ -14,15 +14,25 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine, DeltaTracker, NoModelLoadedError, RequestStream, SampleDelta
+from engine.reasoning import (
+    THINK_END,
+    ReasoningSplitter,
+    prompt_closes_reasoning,
+    prompt_opens_reasoning,
+    split_reasoning,
+    template_thinks,
+)
 from engine.request import EngineError, Logprob, RequestOutput, SamplingParams
 from engine.serving import protocol as p
 from engine.serving.errors import APIError, ClientDisconnected, error_payload, to_api_error
+from engine.serving.structured_outputs import request_constraint
+from engine.serving.tools import ToolCallStream, ToolSetup, history_tool_fields, plain_history
 from engine.tokenizer import flatten_content
 
 INLINE_TOKENIZE_CHARS = 16_384  # longer texts are tokenized in a worker thread, off the event loop
@@ -82,7 +92,7 @@ def chat_messages(req: p.ChatCompletionRequest) -> list[dict]:
         content = flatten_content([part.model_dump() for part in message.content]
                                   if isinstance(message.content, list) else message.content)
         role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": content, **history_tool_fields(message, i)})
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         instruction = JSON_OBJECT_INSTRUCTION
@@ -94,6 +104,22 @@ def chat_messages(req: p.ChatCompletionRequest) -> list[dict]:
         else:
             messages.insert(0, {"role": "system", "content": instruction})
     return messages
+
+
+@dataclass(frozen=True)
+class ReasoningState:
+    """How a thinking model's output starts: inside a think block the prompt opened, or after one it closed."""
+
+    opened: bool
+    closed: bool
+
+
+def reasoning_state(tokenizer, ids: list[int]) -> ReasoningState | None:
+    """None for models that do not think (their template knows no ``</think>``)."""
+    if not template_thinks(tokenizer.hf.chat_template):
+        return None
+    tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
+    return ReasoningState(prompt_opens_reasoning(tail), prompt_closes_reasoning(tail))
 
 
 async def off_loop(fn: Callable, *args, size: int = 0, param: str = "prompt"):
@@ -317,28 +343,53 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tokenizer, max_len = engine.tokenizer, engine.max_model_len
-        messages = chat_messages(req)
+        tooling = ToolSetup.from_request(req, tokenizer.hf.chat_template)
+        messages, template_tools = chat_messages(req), None
+        if tooling is not None:
+            messages, template_tools = tooling.render(messages)
+        else:
+            messages = plain_history(messages, tokenizer.hf.chat_template)
         size = sum(len(m["content"]) for m in messages)
-        ids = await off_loop(tokenizer.encode_chat, messages, req.add_generation_prompt, size=size,
+        ids = await off_loop(tokenizer.encode_chat, messages, req.add_generation_prompt, template_tools, size=size,
                              param="messages")
         check_prompt_length(len(ids), max_len, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), max_len, k)
+        params.structured_outputs = request_constraint(req)
+        tool_grammar = tooling.constraint() if tooling is not None else None
+        if tool_grammar is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice '{req.tool_choice if isinstance(req.tool_choice, str) else 'named'}'"
+                               " constrains the output already; drop response_format / structured_outputs",
+                               "tool_choice")
+            params.structured_outputs = tool_grammar
+        thinking = reasoning_state(tokenizer, ids)
+        if thinking is not None and params.structured_outputs is not None and not thinking.closed:
+            params.structured_outputs = replace(params.structured_outputs, starts_after=THINK_END)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await unless_disconnected(request, start([ids], params, request_id, model))
         if req.stream:
-            return SSEResponse(sse_events(chat_chunks(req, model, request_id, len(ids), streams[0]), streams))
+            return SSEResponse(sse_events(chat_chunks(req, model, request_id, len(ids), streams[0], tooling,
+                                                      thinking), streams))
         final = (await unless_disconnected(request, collect(streams)))[0]
-        choices = [p.ChatChoice(index=o.index, message=p.AssistantMessage(content=o.text),
-                                logprobs=chat_logprobs(_whole(o), req.top_logprobs or 0, token_text),
-                                finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                   for o in final.outputs]
+        choices = []
+        for o in final.outputs:
+            reasoning, text = split_reasoning(o.text, thinking.opened) if thinking is not None else (None, o.text)
+            content, calls = tooling.parse(text) if tooling is not None else (text, [])
+            message = p.AssistantMessage(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                                         tool_calls=[p.ToolCallOut(id=c.id, function=p.FunctionCall(
+                                             name=c.name, arguments=c.arguments)) for c in calls])
+            choices.append(p.ChatChoice(index=o.index, message=message,
+                                        logprobs=chat_logprobs(_whole(o), req.top_logprobs or 0, token_text),
+                                        finish_reason="tool_calls" if calls and o.finish_reason == "stop"
+                                        else o.finish_reason, stop_reason=o.stop_reason))
         return JSONResponse(p.ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage_of([len(ids)], [final]),
             system_fingerprint=fingerprint).model_dump())
 
     async def chat_chunks(req: p.ChatCompletionRequest, model: str, request_id: str, prompt_len: int,
-                          stream: RequestStream) -> AsyncIterator[dict]:
+                          stream: RequestStream, tooling: ToolSetup | None = None,
+                          thinking: ReasoningState | None = None) -> AsyncIterator[dict]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -350,10 +401,17 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         yield chunk([p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         tracker, last = DeltaTracker(), None
+        calls = {i: ToolCallStream(tooling) for i in range(req.n)} if tooling is not None else {}
+        splitters = {i: ReasoningSplitter(thinking.opened) for i in range(req.n)} if thinking is not None else {}
         async for output in stream:
             last = output
             usage = usage_of([prompt_len], [output]) if continuous else None
             for d in tracker.update(output):
+                if d.index in calls or d.index in splitters:
+                    logprobs = chat_logprobs(d, req.top_logprobs or 0, token_text)
+                    for piece in tool_call_chunks(d, calls.get(d.index), splitters.get(d.index), logprobs):
+                        yield chunk([piece], usage)
+                    continue
                 if not d.text and d.finish_reason is None and d.logprobs is None:
                     continue
                 yield chunk([p.ChatChunkChoice(
@@ -362,6 +420,30 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
                     finish_reason=d.finish_reason, stop_reason=d.stop_reason)], usage)
         if include_usage:
             yield chunk([], usage_of([prompt_len], [last]))
+
+    def tool_call_chunks(d: SampleDelta, calls: ToolCallStream | None, splitter: ReasoningSplitter | None,
+                         logprobs) -> list[p.ChatChunkChoice]:
+        """One sample's delta with tools or reasoning: reasoning first, then content, then each tool-call
+        delta in its own chunk (name, then arguments), the finish reason on the last."""
+        reasoning, text = splitter.feed(d.text) if splitter is not None else ("", d.text)
+        if splitter is not None and d.finish_reason is not None:
+            more_reasoning, more_text = splitter.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        content, deltas = calls.feed(text) if calls is not None else (text, [])
+        if calls is not None and d.finish_reason is not None:
+            more_content, more = calls.finish()
+            content, deltas = content + more_content, deltas + more
+        pieces = [p.DeltaMessage(reasoning_content=reasoning, reasoning=reasoning)] if reasoning else []
+        pieces += [p.DeltaMessage(content=content)] if content or not (deltas or pieces) else []
+        pieces += [p.DeltaMessage(tool_calls=[delta]) for delta in deltas]
+        if not reasoning and not content and not deltas and d.finish_reason is None and logprobs is None:
+            return []
+        finish = "tool_calls" if calls is not None and calls.num_calls and d.finish_reason == "stop" \
+            else d.finish_reason
+        return [p.ChatChunkChoice(index=d.index, delta=piece, logprobs=logprobs if k == 0 else None,
+                                  finish_reason=finish if k == len(pieces) - 1 else None,
+                                  stop_reason=d.stop_reason if k == len(pieces) - 1 else None)
+                for k, piece in enumerate(pieces)]
 
     # ---- completions --------------------------------------------------------------------------------------
     @router.post("/v1/completions", response_model=p.CompletionResponse,
@@ -383,6 +465,7 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
                                "prompt")
         longest = max(len(ids) for ids in prompts)
         params = sampling_params(req, req.max_tokens, longest, max_len, req.logprobs)
+        params.structured_outputs = request_constraint(req)
         echoes = [tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await unless_disconnected(request, start(prompts, params, request_id, model))

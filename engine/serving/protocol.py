@@ -1,8 +1,8 @@
 """Pydantic models of the OpenAI-compatible API: what requests may contain (with ranges) and what we return.
 
 Field names and defaults follow OpenAI's API reference, plus vLLM's sampling extras (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Unknown fields are ignored (clients such as
-editors send vendor fields like ``tools``); known fields with wrong types or out-of-range values are a 400
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) and ``structured_outputs``. Unknown fields are
+ignored (clients such as editors send vendor fields); known fields with wrong types or out-of-range values are a 400
 that names the field.
 """
 
@@ -50,6 +50,40 @@ class ResponseFormat(APIModel):
     json_schema: dict[str, Any] | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of the constraints. Unknown keys are a 400 (a constraint
+    option that is not honoured must not be dropped silently)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | bool | Text | None = Field(None, alias="json")
+    regex: Annotated[Text, Field(min_length=1, max_length=65_536)] | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=4096)] | None = None
+    grammar: Annotated[Text, Field(min_length=1, max_length=262_144)] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON is always compact here: honoured either way
+
+
+class FunctionDefinition(APIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(APIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(APIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class NamedToolChoice(APIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Text = "text"
@@ -88,6 +122,11 @@ class SamplingRequest(APIModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: Annotated[Text, Field(min_length=1, max_length=65_536)] | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=4096)] | None = None
+    guided_grammar: Annotated[Text, Field(min_length=1, max_length=262_144)] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -97,8 +136,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None  # accepted and ignored: Pagoda does not do tool calling yet
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -182,10 +222,23 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
-    tool_calls: list = Field(default_factory=list)
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    reasoning_content: str | None = None  # a thinking model's <think> block (engine/reasoning.py)
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
 
 class ChatChoice(BaseModel):
@@ -209,6 +262,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # [{"index", "id", "type", "function": {"name", "arguments"}}]
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,248 @@
+"""Grammar-constrained decoding: what a request constrains its output to, and the per-request matcher state.
+
+The grammars are llguidance's (a Rust Earley parser over a lexer, built lazily, so a JSON schema "compiles" in
+about a millisecond and the token mask of one step costs tens of microseconds). One ``GrammarCompiler`` per
+engine owns the tokenizer's llguidance view (about a second to build, so it is built on the first constrained
+request) and an LRU of compiled grammars: a grammar seen before is a ``deep_copy`` of its cached matcher, so
+the ``n`` samples of a request and repeated schemas compile once.
+
+``StructuredOutputManager`` keeps one matcher per running sample. Before a step samples, it fills the token
+bitmask of the constrained rows (all rows at once, on llguidance's thread pool, while the device computes the
+forward); the sampler applies it. After the step, each sample's new token advances its matcher; a grammar that
+is complete ends its request (the mask then allows only EOS). Preemption recomputes the KV of tokens the
+matcher already consumed, so the matcher needs no rollback. A grammar may start later than the first output
+token: ``starts_after`` names the text (the end of a reasoning block) after which it applies.
+
+No torch here: bitmasks are numpy int32 arrays of ``ceil(vocab / 32)`` words per row, bit ``i % 32`` of word
+``i // 32`` set when token ``i`` is allowed (llguidance's layout).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.errors import EngineError
+
+log = logging.getLogger("pagoda.structured_output")
+
+GRAMMAR_CACHE_SIZE = 128
+_TAIL_TOKENS = 8  # output tokens decoded to look for ``starts_after`` (a few tokens longer than any marker)
+# Compact JSON (json.dumps' separators, no free whitespace): a small model at temperature 1 otherwise pads with
+# newlines until max_tokens cuts the object, and the output no longer parses.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_FLEXIBLE = {"whitespace_flexible": True}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output, in vLLM's ``structured_outputs`` terms: exactly one of a JSON
+    schema (as JSON text), a regex, a list of choices, a grammar (llguidance Lark, or GBNF as llama.cpp
+    writes it) or any JSON object. ``param`` names the request field the constraint came from, for errors."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace_flexible: bool = False
+    starts_after: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise EngineError(f"{self.param} needs exactly one of json, regex, choice, grammar or json_object "
+                              f"(got {', '.join(given) or 'none'})", param=self.param)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise EngineError(f"{self.param}.choice must be a non-empty list of strings", param=self.param)
+
+    @classmethod
+    def from_schema(cls, schema, **kwargs) -> StructuredOutputsParams:
+        """A JSON schema given as a dict (or JSON text) -> params with the schema as JSON text."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise EngineError(f"the JSON schema is not valid JSON: {exc}",
+                                  param=kwargs.get("param", "structured_outputs")) from None
+        return cls(json=json.dumps(schema), **kwargs)  # key order kept: the grammar emits properties in it
+
+    def grammar_source(self) -> str:
+        """The llguidance grammar text of this constraint (the compiler's cache key)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher
+        options = _JSON_FLEXIBLE if self.whitespace_flexible else _JSON_OPTIONS
+        try:
+            if self.json is not None:
+                return matcher.grammar_from_json_schema(self.json, defaults=options)
+            if self.json_object:
+                return matcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
+            if self.regex is not None:
+                return matcher.grammar_from_regex(self.regex)
+            if self.choice is not None:
+                return llguidance.grammar_from("choice", list(self.choice))
+            return llguidance.grammar_from("grammar", self.grammar)
+        except ValueError as exc:
+            raise EngineError(f"{self.param}: the grammar cannot be compiled: {exc}", param=self.param) from None
+
+
+class GrammarCompiler:
+    """Compiles constraints to matchers for one tokenizer and vocabulary; each grammar once (LRU cache)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = max(vocab_size, len(hf_tokenizer))
+        self._eos_token_ids = [int(t) for t in eos_token_ids] or None
+        self._ll_tokenizer = None
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._cache_size = cache_size
+
+    @property
+    def ll_tokenizer(self):
+        """llguidance's view of the tokenizer (every token's bytes), built on first use (about a second)."""
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            try:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                                  eos_token=self._eos_token_ids)
+            except Exception as exc:  # noqa: BLE001 -- a slow tokenizer or one llguidance cannot read
+                raise EngineError(f"structured outputs are not available for this model's tokenizer: {exc}",
+                                  code="structured_outputs_unsupported") from None
+        return self._ll_tokenizer
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher for ``params`` at its start; EngineError naming ``params.param`` when the grammar is
+        invalid (a bad regex, an unsupported schema keyword, a grammar that does not parse)."""
+        import llguidance
+
+        source = params.grammar_source()
+        template = self._cache.get(source)
+        if template is None:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self.ll_tokenizer)
+            if is_error:
+                raise EngineError(f"{params.param}: the grammar cannot be compiled: {_first_line(messages)}",
+                                  param=params.param)
+            template = llguidance.LLMatcher(self.ll_tokenizer, source, log_level=0)
+            if template.is_error():
+                raise EngineError(f"{params.param}: the grammar cannot be compiled: "
+                                  f"{_first_line([template.get_error()])}", param=params.param)
+            self._cache[source] = template
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(source)
+        return template.deep_copy()
+
+
+def _first_line(messages: list[str]) -> str:
+    text = " ".join(messages).strip()
+    return text.splitlines()[0] if text else "unknown error"
+
+
+class TokenMasks(NamedTuple):
+    """The constrained rows of one step's batch and their bitmasks: ``bitmask[k]`` is row ``rows[k]``'s."""
+
+    rows: list[int]
+    bitmask: np.ndarray  # [len(rows), ceil(vocab / 32)] int32
+
+
+@dataclass
+class _Constraint:
+    matcher: object
+    starts_after: str | None  # None once the grammar applies
+    done: bool = False  # complete (or broken): only EOS may follow
+
+
+class StructuredOutputManager:
+    """The matchers of an engine's constrained samples. Called from the engine's stepping thread only."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int | None = None):
+        self._tokenizer = tokenizer  # engine.tokenizer.Tokenizer: decodes output tails for ``starts_after``
+        self.compiler = GrammarCompiler(tokenizer.hf, vocab_size, eos_token_ids)
+        self._eos_token_ids = [t for t in eos_token_ids if 0 <= t < self.compiler.vocab_size]
+        self._num_threads = num_threads or max(1, min(4, (os.cpu_count() or 2) - 1))
+        self._executor = None
+        self._constraints: dict[str, _Constraint] = {}
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._constraints)
+
+    def add(self, request_ids: list[str], params: StructuredOutputsParams) -> None:
+        """Compile ``params`` once and give each sample its own matcher. Raises EngineError (nothing added)."""
+        matchers = [self.compiler.matcher(params) for _ in request_ids]
+        for request_id, matcher in zip(request_ids, matchers):
+            self._constraints[request_id] = _Constraint(matcher, params.starts_after)
+
+    def free(self, request_id: str) -> None:
+        self._constraints.pop(request_id, None)
+
+    def token_masks(self, requests: list) -> TokenMasks | None:
+        """The bitmasks of the rows whose grammar applies now (None when no row is constrained)."""
+        rows = [i for i, r in enumerate(requests) if self._applies(r.request_id)]
+        if not rows:
+            return None
+        words = (self.compiler.vocab_size + 31) // 32
+        bitmask = np.zeros((len(rows), words), dtype=np.int32)  # [rows, words]
+        live = []
+        for k, i in enumerate(rows):
+            constraint = self._constraints[requests[i].request_id]
+            if constraint.done:
+                self._allow_eos_only(bitmask[k])
+            else:
+                live.append((constraint.matcher, k))
+        if live:
+            self._executor_or_new().unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4, len(rows))
+        return TokenMasks(rows, bitmask)
+
+    def accept(self, request, token_id: int) -> bool:
+        """Advance the sample's matcher by its new token; True when its grammar is complete (the request may
+        end). The token that ends ``starts_after`` opens the grammar and is not consumed by it."""
+        constraint = self._constraints.get(request.request_id)
+        if constraint is None:
+            return False
+        if constraint.starts_after is not None:
+            tail = self._tokenizer.decode(request.output_token_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
+            if constraint.starts_after in tail:
+                constraint.starts_after = None
+            return False
+        if constraint.done:
+            return True
+        if not constraint.matcher.consume_token(int(token_id)):
+            log.warning("request %s: token %d rejected by its grammar (%s); ending it", request.request_id,
+                        token_id, constraint.matcher.get_error())
+            constraint.done = True
+        elif constraint.matcher.is_stopped():
+            constraint.done = True
+        return constraint.done
+
+    def _applies(self, request_id: str) -> bool:
+        constraint = self._constraints.get(request_id)
+        return constraint is not None and constraint.starts_after is None
+
+    def _allow_eos_only(self, row: np.ndarray) -> None:
+        row[:] = 0
+        for token_id in self._eos_token_ids:
+            row[token_id // 32] |= np.int32(np.uint32(1 << (token_id % 32)).view(np.int32))
+
+    def _executor_or_new(self):
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
+        return self._executor
