@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from engine.config import EngineArgs
-from engine.request import EngineError
+from engine.errors import EngineError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -1,11 +1,13 @@
 """Pagoda's inference engine: paged KV cache, continuous batching, Llama-family models, AWQ/GPTQ weights.
 
 Public API (vLLM-shaped): ``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``LLMEngine``.
-``AsyncEngine`` lives in engine/async_engine.py (imported lazily by the server).
+``AsyncEngine`` lives in engine/async_engine.py (imported lazily by the server); its loop thread in
+engine/engine_loop.py, request streams in engine/streams.py, errors in engine/errors.py.
 """
 
 from engine.config import EngineArgs
-from engine.request import CompletionOutput, EngineError, RequestOutput, SamplingParams
+from engine.errors import EngineError
+from engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "EngineError"]
 

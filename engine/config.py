@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.request import EngineError
+from engine.errors import EngineError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig, resolve_dtype
-from engine.request import EngineError
+from engine.errors import EngineError
 
 GiB = 1 << 30
 MiB = 1 << 20

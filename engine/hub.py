@@ -55,8 +55,8 @@ from huggingface_hub.utils import build_hf_headers
 from tqdm import tqdm
 
 from engine.config import ModelConfig
+from engine.errors import EngineError
 from engine.fit import QuantSpec, format_bytes
-from engine.request import EngineError
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 
 from engine.config import EngineArgs
+from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
-from engine.request import EngineError, RequestOutput, SamplingParams
+from engine.request import RequestOutput, SamplingParams
 
 PromptType = str | dict
 

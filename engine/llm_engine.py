@@ -14,12 +14,12 @@ from engine.bundled import pagoda_home
 from engine.catalog import resolve_model
 from engine.config import EngineArgs, ModelConfig, parse_bytes, resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import EngineError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import read_config_dict
 from engine.model_runner import ModelRunner
 from engine.request import (
     CompletionOutput,
-    EngineError,
     Request,
     RequestOutput,
     RequestStatus,

@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.errors import EngineError
 from engine.layers.linear import Linear, Weight
 from engine.layers.rotary import cos_sin_cache
 from engine.models.llama import DecoderLayer, LlamaModel
-from engine.request import EngineError
 from kernels.ops import Backend
 
 

@@ -14,9 +14,10 @@ import torch
 from engine.block_table import BlockTableRows
 from engine.config import EngineArgs, ModelConfig, parse_bytes
 from engine.cuda_graph import StepGraphs, StepInputs
+from engine.errors import EngineError
 from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
-from engine.request import EngineError, Request
+from engine.request import Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
 from engine.structured_output import TokenMasks
 from engine.warmup import eager_seq_buckets, eager_step

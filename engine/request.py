@@ -7,21 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.errors import EngineError
+
 if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputsParams
-
-
-class EngineError(ValueError):
-    """An error a user can act on (bad parameter, prompt too long, model will not fit...).
-
-    ``param`` names the offending field so the API can report it in an OpenAI-shaped error body.
-    """
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
 
 
 @dataclass

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.request import EngineError, Logprob, Request, SamplingParams
+from engine.errors import EngineError
+from engine.request import Logprob, Request, SamplingParams
 from engine.structured_output import TokenMasks
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # spreads sample_index over the 64-bit seed space

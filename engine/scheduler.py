@@ -23,8 +23,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.errors import EngineError
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import EngineError, Request, RequestStatus
+from engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

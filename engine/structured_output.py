@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine.request import EngineError
+from engine.errors import EngineError
 
 log = logging.getLogger("pagoda.structured_output")
 

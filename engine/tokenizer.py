@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.request import EngineError
+from engine.errors import EngineError
 
 _TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 

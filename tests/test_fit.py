@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+from engine.errors import EngineError
 from engine.fit import GiB, MiB, check_fit, estimate_weight_bytes, kv_bytes_per_token, require_fit
-from engine.request import EngineError
 
 SMOLLM2_135M = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ModelConfig
+from engine.errors import EngineError
 from engine.fit import check_fit, estimate_weight_bytes
-from engine.request import EngineError
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

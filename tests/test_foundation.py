@@ -14,7 +14,7 @@ import torch
 from engine import SamplingParams
 from engine.bundled import is_complete
 from engine.catalog import Catalog
-from engine.request import EngineError
+from engine.errors import EngineError
 
 REPO = Path(__file__).resolve().parent.parent
 

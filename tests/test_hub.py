@@ -14,8 +14,8 @@ from fake_hub import FakeHub  # tests/ is on sys.path (pytest rootdir-less test 
 from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from safetensors.torch import save
 
+from engine.errors import EngineError
 from engine.hub import DownloadCancelled, DownloadState, HubDownloader
-from engine.request import EngineError
 
 MiB = 1 << 20  # huggingface_hub's http_get writes 10 MiB chunks: the resume and cancel files are bigger
 

@@ -19,9 +19,10 @@ import psutil
 import pytest
 from server_process import free_port
 
-from engine.async_engine import AsyncEngine, ModelSwitchedError, NoModelLoadedError
+from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
-from engine.request import EngineError, SamplingParams
+from engine.errors import EngineError, ModelSwitchedError, NoModelLoadedError
+from engine.request import SamplingParams
 from engine.serving.server import ServerSettings, ServerThread, build_app
 
 LONG = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0.8)  # cannot finish during a switch

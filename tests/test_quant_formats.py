@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.errors import EngineError
 from engine.quant import get_quant_method
-from engine.request import EngineError
 from kernels.reference import dequantize_int4, w4a16_matmul
 
 IN_FEATURES, OUT_FEATURES = 256, 64

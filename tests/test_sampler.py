@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.request import EngineError, Request, SamplingParams
+from engine.errors import EngineError
+from engine.request import Request, SamplingParams
 from engine.sampler import Sampler, TokenHistory, apply_logits_processors, validate_for_vocab
 
 VOCAB = 32

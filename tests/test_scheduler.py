@@ -13,8 +13,9 @@ import random
 
 import pytest
 
+from engine.errors import EngineError
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.request import EngineError, Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 4

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineArgs, resolve_device
-from engine.request import EngineError, SamplingParams
+from engine.errors import EngineError, EngineStepError
+from engine.request import SamplingParams
 from engine.snapshot import EngineSnapshot
 from engine.tokenizer import flatten_content
 from ui.model_manager import ModelManager, UIError
@@ -41,7 +42,7 @@ def explain(exc: BaseException) -> str:
     message = getattr(exc, "message", None)  # EngineUnavailableError and subclasses carry one
     if isinstance(message, str):
         return message
-    if type(exc).__name__ == "EngineStepError":  # already logged by the engine loop
+    if isinstance(exc, EngineStepError):  # already logged by the engine loop
         return str(exc)
     log.error("unexpected error in the UI", exc_info=exc)
     return f"unexpected error ({type(exc).__name__}: {exc}); the server log has the details"

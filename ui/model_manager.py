@@ -27,8 +27,8 @@ import torch
 from engine import bundled
 from engine.catalog import Catalog, CatalogEntry, bundled_dir, fetch
 from engine.config import ModelConfig, parse_bytes, resolve_device, resolve_dtype
+from engine.errors import EngineError
 from engine.fit import GiB, MiB, check_fit, format_bytes
-from engine.request import EngineError
 
 log = logging.getLogger("pagoda.ui")
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.request import EngineError
+from engine.errors import EngineError
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import EngineError
 from engine.layers.linear import PackedInt4
 from engine.quant.formats import (
     SCALE_DTYPES,
@@ -32,7 +33,6 @@ from engine.quant.formats import (
     require_group_size,
     unpack_nibbles,
 )
-from engine.request import EngineError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds column 8c + AWQ_ORDER[i]
 _AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j sits in nibble _AWQ_UNORDER[j]

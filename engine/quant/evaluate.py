@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from engine.errors import EngineError
 from engine.layers.linear import PackedInt4
 from engine.quant.formats import get_quant_method
-from engine.request import EngineError
 from kernels.reference import dequantize_int4
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from engine.errors import EngineError
 from engine.layers.linear import PackedInt4
-from engine.request import EngineError
 
 GetTensor = Callable[[str], "torch.Tensor | None"]
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import EngineError
 from engine.layers.linear import PackedInt4
 from engine.quant.formats import (
     SCALE_DTYPES,
@@ -39,7 +40,6 @@ from engine.quant.formats import (
     require_group_size,
     unpack_cols,
 )
-from engine.request import EngineError
 from kernels.reference import unpack_int4
 
 FORMATS = ("gptq", "gptq_v2")

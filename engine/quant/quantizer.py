@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.errors import EngineError
 from engine.quant.checkpoint import write_checkpoint
 from engine.quant.formats import get_quant_method
 from engine.quant.layers import (
@@ -40,7 +41,6 @@ from engine.quant.layers import (
     to_cpu,
 )
 from engine.quant.rtn import check_group_size
-from engine.request import EngineError
 
 METHODS = ("awq", "gptq", "rtn")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -120,7 +120,7 @@ def effective_group(group_size: int, in_features: int) -> int:
 
 def check_group_size(group_size: int, in_features: int) -> int:
     """The effective group size; raises when it does not divide ``in_features`` (AWQ and our kernels need that)."""
-    from engine.request import EngineError
+    from engine.errors import EngineError
 
     g = effective_group(group_size, in_features)
     if g <= 0 or in_features % g != 0:

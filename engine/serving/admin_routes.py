@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from engine.async_engine import AsyncEngine
 from engine.catalog import Catalog, resolve_model
-from engine.request import EngineError
+from engine.errors import EngineError
 from engine.serving import protocol as p
 from engine.serving.errors import APIError
 

@@ -14,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineStepError, EngineUnavailableError
-from engine.request import EngineError
+from engine.errors import EngineError, EngineStepError, EngineUnavailableError
 
 log = logging.getLogger("pagoda.server")
 

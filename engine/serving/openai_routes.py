@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import AsyncEngine, DeltaTracker, NoModelLoadedError, RequestStream, SampleDelta
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineError, NoModelLoadedError
 from engine.reasoning import (
     THINK_END,
     ReasoningSplitter,
@@ -28,11 +29,12 @@ from engine.reasoning import (
     split_reasoning,
     template_thinks,
 )
-from engine.request import EngineError, Logprob, RequestOutput, SamplingParams
+from engine.request import Logprob, RequestOutput, SamplingParams
 from engine.serving import protocol as p
 from engine.serving.errors import APIError, ClientDisconnected, error_payload, to_api_error
 from engine.serving.structured_outputs import request_constraint
 from engine.serving.tools import ToolCallStream, ToolSetup, history_tool_fields, plain_history
+from engine.streams import DeltaTracker, RequestStream, SampleDelta
 from engine.tokenizer import flatten_content
 
 INLINE_TOKENIZE_CHARS = 16_384  # longer texts are tokenized in a worker thread, off the event loop
