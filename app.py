@@ -91,7 +91,7 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
     from engine.catalog import resolve_model
-    from engine.quant import quantize_model
+    from engine.quant.quantizer import quantize_model
 
     src, name = resolve_model(ns.model, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(ns.out) if ns.out else src.parent / f"{name}-{ns.method}-g{ns.group_size}"

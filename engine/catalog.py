@@ -99,7 +99,7 @@ def fetch(entry: CatalogEntry, catalog: Catalog, log: Callable[[str], None] = pr
         if bundled.is_complete(target):
             return target
         base_dir = fetch(base, catalog, log)
-        from engine.quant import build_bundled_quantized
+        from engine.quant.quantizer import build_bundled_quantized
 
         tmp = target.with_name(f".{entry.id}-building")
         build_bundled_quantized(base_dir, tmp, entry.method, log=log)

@@ -19,9 +19,8 @@ import torch
 
 from engine.bundled import weights_sha256
 from engine.errors import EngineError
-from engine.quant import quantize_model
 from engine.quant.evaluate import load_dense_model, perplexity
-from engine.quant.quantizer import BUNDLED_SETTINGS
+from engine.quant.quantizer import BUNDLED_SETTINGS, quantize_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 32  # divides 576 and 1536; 128 does not divide SmolLM2's hidden size 576
