@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.admission import Admission
 from engine.config import EngineArgs, resolve_device
 from engine.engine_loop import EngineLoop
 from engine.errors import (
@@ -39,7 +40,6 @@ from engine.errors import (
     NoModelLoadedError,
 )
 from engine.request import RequestOutput, SamplingParams
-from engine.sampler import validate_for_vocab
 from engine.snapshot import EngineSnapshot
 from engine.streams import OutputChannel, RequestStream
 
@@ -145,6 +145,11 @@ class AsyncEngine:
         return self._require_worker().vocab_size
 
     @property
+    def admission(self) -> Admission:
+        """The served model's admission rules (engine/admission.py): what the API and the UI check first."""
+        return self._require_worker().admission
+
+    @property
     def loaded_at(self) -> float | None:
         """Unix time when the served model started serving."""
         worker = self._worker
@@ -188,10 +193,11 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------------------
     async def add_request(self, request_id: str | None = None, prompt: str | None = None,
                           params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,
-                          model: str | None = None) -> RequestStream:
+                          model: str | None = None, prompt_param: str = "prompt") -> RequestStream:
         """Queue a request and wait until the engine accepted it; iterate the returned stream for outputs.
 
         ``model``: the model the caller tokenized for; if another one serves by now, ModelSwitchedError.
+        ``prompt_param``: the caller's field the prompt came from, named by an admission refusal.
         Raises EngineError (bad input: 4xx) or NoModelLoadedError / ModelSwitchedError (503) here, before
         any output, so a server can still answer with a plain error status.
         """
@@ -199,11 +205,11 @@ class AsyncEngine:
         if model is not None and model != worker.model_name:
             raise ModelSwitchedError(f"model switched to {worker.model_name}")
         params = params or SamplingParams()
-        validate_for_vocab(params, worker.vocab_size)
+        worker.admission.check_params(params)
         request_id = request_id or uuid.uuid4().hex
         stream = OutputChannel(asyncio.get_running_loop())
         timing = self.metrics.start_request(worker.model_name)
-        worker.submit_add(request_id, prompt, prompt_token_ids, params, stream)
+        worker.submit_add(request_id, prompt, prompt_token_ids, params, stream, prompt_param)
         try:
             await stream.added
         except asyncio.CancelledError:
@@ -212,15 +218,16 @@ class AsyncEngine:
         return RequestStream(worker, request_id, stream, timing)
 
     async def generate(self, prompt: str | None = None, params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                       prompt_param: str = "prompt") -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative text/token ids per sample) until it finishes.
 
         Raises EngineError (bad input, before the first output), NoModelLoadedError, ModelSwitchedError or
         EngineStepError (mid-stream). Cancelling or closing the iterator aborts the request at once; use
         ``contextlib.aclosing`` so that also happens when the consumer stops early.
         """
-        stream = await self.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids)
+        stream = await self.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                                        prompt_param=prompt_param)
         async with stream:
             async for output in stream:
                 yield output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -148,6 +149,43 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+# Older AutoGPTQ / AutoAWQ exports keep the quantization beside config.json instead of inside it.
+QUANT_SIDE_FILES = ("quantize_config.json", "quant_config.json")
+
+
+def read_quantization_config(config: dict, read_side_file: Callable[[str], dict | None]) -> dict | None:
+    """The checkpoint's ``quantization_config``: from config.json, else from a side file; None when unquantized.
+
+    The one reader for the loader, the folder check and the Hub download check: ``read_side_file(name)`` returns
+    a side file's JSON (None when the checkpoint has no such file), so a local folder and a Hub repo read alike.
+    """
+    qcfg = config.get("quantization_config")
+    if qcfg:
+        return dict(qcfg)
+    for name in QUANT_SIDE_FILES:
+        try:
+            side = read_side_file(name)
+        except ValueError as exc:
+            raise EngineError(f"{name} is not valid JSON: {exc}", param="quantization_config") from exc
+        if side is None:
+            continue
+        side = dict(side)
+        if name == "quant_config.json" and "quant_method" not in side:
+            side["quant_method"] = "awq"  # early AutoAWQ side file: {"w_bit", "q_group_size", "version"}
+        side.setdefault("quant_method", "gptq")  # AutoGPTQ's quantize_config.json predates the field
+        return side
+    return None
+
+
+def read_folder_quantization_config(model_dir: str | Path, config: dict) -> dict | None:
+    """``read_quantization_config`` for a local model folder."""
+    def side_file(name: str) -> dict | None:
+        path = Path(model_dir) / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    return read_quantization_config(config, side_file)
 
 
 def _rope_scaling_from_parameters(params: dict) -> dict | None:

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.admission import Admission
 from engine.config import EngineArgs
 from engine.errors import EngineStepError
 from engine.request import RequestOutput, SamplingParams
@@ -38,6 +39,7 @@ class AddRequest:
     prompt_token_ids: list[int] | None
     params: SamplingParams
     stream: OutputChannel
+    prompt_param: str = "prompt"  # the field the prompt came from, named in a refusal
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class EngineLoop:
         self.max_model_len: int = engine.max_model_len
         config = getattr(engine, "model_config", None)
         self.vocab_size: int = getattr(config, "vocab_size", None) or self.tokenizer.vocab_size
+        self.admission = Admission(self.max_model_len, self.vocab_size)  # immutable: any thread may use it
         self._cond = threading.Condition()
         self._commands: deque[Command] = deque()
         self._streams: dict[str, OutputChannel] = {}  # loop thread only
@@ -94,8 +97,8 @@ class EngineLoop:
 
     # ---- any thread -------------------------------------------------------------------------------------
     def submit_add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                   params: SamplingParams, stream: OutputChannel) -> None:
-        self._push(AddRequest(request_id, prompt, prompt_token_ids, params, stream))
+                   params: SamplingParams, stream: OutputChannel, prompt_param: str = "prompt") -> None:
+        self._push(AddRequest(request_id, prompt, prompt_token_ids, params, stream, prompt_param))
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -228,7 +231,8 @@ class EngineLoop:
         stream = command.stream
         try:
             self.engine.add_request(command.request_id, prompt=command.prompt,
-                                    prompt_token_ids=command.prompt_token_ids, params=command.params)
+                                    prompt_token_ids=command.prompt_token_ids, params=command.params,
+                                    prompt_param=command.prompt_param)
         except Exception as exc:  # noqa: BLE001 -- EngineError for bad input; anything else goes to the caller too
             stream.post(stream.set_added, exc)
             return

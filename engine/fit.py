@@ -22,11 +22,25 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig, resolve_dtype
+from engine.config import EngineArgs, ModelConfig, parse_bytes, resolve_dtype
 from engine.errors import EngineError
 
 GiB = 1 << 30
 MiB = 1 << 20
+CPU_DEFAULT_KV_MEMORY = "256MiB"  # the KV cache on CPU when --kv-cache-memory is not given
+
+
+def cuda_budget_bytes(args: EngineArgs, device: torch.device) -> int:
+    """The device budget, the one rule the KV sizing, the pre-load fit check and the UI's fit column share:
+    --gpu-memory-limit (capped at the card) or --gpu-memory-utilization of the card."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = parse_bytes(args.gpu_memory_limit) if args.gpu_memory_limit else None
+    return min(limit, total) if limit else int(total * args.gpu_memory_utilization)
+
+
+def cpu_kv_cache_bytes(args: EngineArgs) -> int:
+    """The fixed KV-cache size on CPU (--kv-cache-memory, else CPU_DEFAULT_KV_MEMORY)."""
+    return parse_bytes(args.kv_cache_memory or CPU_DEFAULT_KV_MEMORY)
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 

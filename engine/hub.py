@@ -6,7 +6,7 @@ What a user gets, and why it is built this way:
   models fetched by other tools are reused and ours are visible to them. ``HF_ENDPOINT``, ``HF_TOKEN`` and
   ``HF_HUB_OFFLINE`` are read when a ``HubDownloader`` is made (not when huggingface_hub was imported).
 - Before any weight byte moves: the file list with sizes (``model_info(files_metadata=True)``), config.json
-  (and an index / quantize_config.json when present) through ``hf_hub_download``; missing, gated, no
+  (and an index / quantize_config.json / quant_config.json when present) through ``hf_hub_download``; missing, gated, no
   safetensors, unsupported architecture or quantization, and too little free disk are refused with a message.
 - Only the files the engine reads: root-level safetensors (the shards the index names), configs, tokenizer
   and chat template. Never ``original/`` copies, ``.bin`` pickles or a duplicate ``consolidated.safetensors``.
@@ -54,7 +54,12 @@ from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
 from tqdm import tqdm
 
-from engine.config import ModelConfig
+from engine.config import (
+    QUANT_SIDE_FILES,
+    ModelConfig,
+    read_folder_quantization_config,
+    read_quantization_config,
+)
 from engine.errors import EngineError
 from engine.fit import QuantSpec, format_bytes
 
@@ -63,7 +68,7 @@ logger = logging.getLogger(__name__)
 SIDE_FILES = frozenset({
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-    "quantize_config.json", "vocab.json", "merges.txt",
+    "vocab.json", "merges.txt", *QUANT_SIDE_FILES,  # the loader reads either quantization side file
 })
 TOKENIZER_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 WEIGHTS, INDEX = ".safetensors", ".safetensors.index.json"
@@ -185,8 +190,7 @@ def inspect_folder(folder: str | Path) -> LocalModel:
     """Validate a model folder (config, quantization, every safetensors shard, a tokenizer)."""
     folder = Path(folder)
     mc = ModelConfig.from_path(folder)
-    if mc.quantization_config is None and (folder / "quantize_config.json").is_file():
-        mc = _with_quantize_config(mc, json.loads((folder / "quantize_config.json").read_text()))
+    mc = _with_quantization(mc, read_folder_quantization_config(folder, mc.raw))
     quant = check_quantization(mc)
     names = {p.name for p in folder.iterdir() if p.is_file()}
     index = next((n for n in sorted(names) if n.endswith(INDEX)), None)
@@ -203,9 +207,12 @@ def inspect_folder(folder: str | Path) -> LocalModel:
     return LocalModel(folder, "safetensors", mc, size, quant)
 
 
-def _with_quantize_config(mc: ModelConfig, qc: dict) -> ModelConfig:
-    """AutoGPTQ-era repos keep the quantization in quantize_config.json instead of config.json."""
-    return ModelConfig.from_dict({**mc.raw, "quantization_config": {"quant_method": "gptq", **qc}})
+def _with_quantization(mc: ModelConfig, qc: dict | None) -> ModelConfig:
+    """``mc`` with the quantization the loader will read (engine.config.read_quantization_config): older
+    AutoGPTQ/AutoAWQ repos keep it in quantize_config.json / quant_config.json instead of config.json."""
+    if qc is None or mc.quantization_config == qc:
+        return mc
+    return ModelConfig.from_dict({**mc.raw, "quantization_config": qc})
 
 
 def _index_shards(index: dict) -> list[str]:
@@ -494,8 +501,8 @@ class HubDownloader:
             mc = ModelConfig.from_dict(json.loads(fetch("config.json").read_text()))
         except EngineError as exc:
             raise EngineError(f"{repo_id}: {exc.message}", param="model") from exc
-        if mc.quantization_config is None and "quantize_config.json" in names:
-            mc = _with_quantize_config(mc, json.loads(fetch("quantize_config.json").read_text()))
+        mc = _with_quantization(mc, read_quantization_config(
+            mc.raw, lambda name: json.loads(fetch(name).read_text()) if name in names else None))
         quant = check_quantization(mc)
         index = "model.safetensors.index.json" if "model.safetensors.index.json" in names else next(
             (n for n in sorted(names) if n.endswith(INDEX) and "/" not in n), None)

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from engine.admission import Admission, check_request_id
 from engine.bundled import pagoda_home
 from engine.catalog import resolve_model
-from engine.config import EngineArgs, ModelConfig, parse_bytes, resolve_device, resolve_dtype
+from engine.config import EngineArgs, ModelConfig, resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError
 from engine.kv_cache_manager import KVCacheManager
@@ -25,7 +26,6 @@ from engine.request import (
     RequestStatus,
     SamplingParams,
 )
-from engine.sampler import validate_for_vocab
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
@@ -93,6 +93,7 @@ class LLMEngine:
         self.model_config = self.runner.config
         self.max_model_len = self._fit_max_model_len(max_model_len)
         self.runner.prepare(self.max_model_len)
+        self.admission = Admission(self.max_model_len, self.model_config.vocab_size)
         layout = self.runner.layout
         self.kv_manager = KVCacheManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -131,15 +132,14 @@ class LLMEngine:
 
     def _require_fit_before_load(self, config: ModelConfig) -> None:
         """Refuse, before reading any weights, a max_model_len whose one full request cannot fit the budget."""
-        from engine.fit import estimate_weight_bytes, require_fit
-        from engine.model_runner import CPU_DEFAULT_KV_MEMORY, cuda_budget_bytes
+        from engine.fit import cpu_kv_cache_bytes, cuda_budget_bytes, estimate_weight_bytes, require_fit
 
         args = self.args
         kv_bytes = None
         if self.device.type == "cuda":
             budget = cuda_budget_bytes(args, self.device)
         else:
-            kv_bytes = parse_bytes(args.kv_cache_memory or CPU_DEFAULT_KV_MEMORY)
+            kv_bytes = cpu_kv_cache_bytes(args)
             budget = estimate_weight_bytes(config, self.dtype) + kv_bytes
         require_fit(config, self.dtype, budget, args.max_model_len, args.block_size,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -158,16 +158,17 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, prompt_param: str = "prompt") -> None:
+        """Queue a request after the admission checks (engine/admission.py); ``prompt_param`` is the field the
+        prompt came from, named in the EngineError of a refusal."""
         params = params or SamplingParams()
-        if request_id in self.groups:
-            raise EngineError(f"duplicate request id {request_id!r}")
+        check_request_id(request_id, self.groups)
         if prompt_token_ids is None:
             if prompt is None:
                 raise EngineError("either a prompt or prompt_token_ids is required", param="prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        self._check_token_ids(prompt_token_ids)
-        validate_for_vocab(params, self.model_config.vocab_size)
+        self.admission.check_prompt(prompt_token_ids, prompt_param)
+        self.admission.check_params(params)
         samples = [Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                            prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                            eos_token_ids=self.eos_token_ids, parent_id=request_id, sample_index=i)
@@ -177,7 +178,7 @@ class LLMEngine:
         added = []  # the scheduler validates each sample: add all or none
         try:
             for sample in samples:
-                self.scheduler.add_request(sample)
+                self.scheduler.add_request(sample, prompt_param)
                 added.append(sample)
         except EngineError:
             for sample in added:
@@ -190,16 +191,6 @@ class LLMEngine:
                   for _ in samples]
         self.groups[request_id] = RequestGroup(request_id, prompt, list(prompt_token_ids), samples, detoks)
         self.counters.prompt_tokens += len(prompt_token_ids)
-
-    def _check_token_ids(self, ids: list[int]) -> None:
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise EngineError("the prompt is empty", param="prompt")
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
-            raise EngineError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise EngineError(f"the prompt has {len(ids)} tokens but this model's context is {self.max_model_len} "
-                              "tokens (prompt + output)", param="messages", code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_folder_quantization_config
 from engine.errors import EngineError
 from engine.layers.linear import Linear, Weight
 from engine.layers.rotary import cos_sin_cache
@@ -125,7 +125,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
     raw = read_config_dict(model_dir)
     cfg = ModelConfig.from_dict(raw)
     quant = None
-    if raw.get("quantization_config") or (model_dir / "quantize_config.json").is_file():
+    if read_folder_quantization_config(model_dir, raw) is not None:  # config.json or a side file
         from engine.quant import get_quant_method
 
         quant = get_quant_method(model_dir, raw)

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from engine.block_table import BlockTableRows
-from engine.config import EngineArgs, ModelConfig, parse_bytes
+from engine.config import EngineArgs, ModelConfig
 from engine.cuda_graph import StepGraphs, StepInputs
 from engine.errors import EngineError
+from engine.fit import cpu_kv_cache_bytes, cuda_budget_bytes
 from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
 from engine.request import Request
@@ -24,16 +25,6 @@ from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
 
 log = logging.getLogger("pagoda.runner")
-
-CPU_DEFAULT_KV_MEMORY = "256MiB"
-
-
-def cuda_budget_bytes(args: EngineArgs, device: torch.device) -> int:
-    """The device budget: --gpu-memory-limit (capped at the card) or --gpu-memory-utilization of the card."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    limit = parse_bytes(args.gpu_memory_limit) if args.gpu_memory_limit else None
-    return min(limit, total) if limit else int(total * args.gpu_memory_utilization)
-
 
 @dataclass(frozen=True)
 class KVCacheLayout:
@@ -155,7 +146,7 @@ class ModelRunner:
             reserve = self._decode_reserve_bytes(activation_peak)
             kv_budget = budget - self.weight_bytes - activation_peak - reserve
         else:
-            kv_budget = parse_bytes(self.args.kv_cache_memory or CPU_DEFAULT_KV_MEMORY)
+            kv_budget = cpu_kv_cache_bytes(self.args)
             budget, activation_peak, reserve = self.weight_bytes + kv_budget, 0, 0
         num_blocks = kv_budget // per_block
         if num_blocks < 1:

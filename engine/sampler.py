@@ -21,8 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.errors import EngineError
-from engine.request import Logprob, Request, SamplingParams
+from engine.request import Logprob, Request
 from engine.structured_output import TokenMasks
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # spreads sample_index over the 64-bit seed space
@@ -37,18 +36,6 @@ class SamplerOutput(NamedTuple):
 def generator_seed(seed: int, sample_index: int) -> int:
     """The seed of sample ``sample_index`` of a request seeded with ``seed`` (sample 0 uses ``seed`` itself)."""
     return (seed + sample_index * _GOLDEN_GAMMA) % 2**64
-
-
-def validate_for_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Reject token ids the model does not have, before the request reaches a batch (the API calls this)."""
-    for token_id in (params.logit_bias or {}):
-        if not 0 <= int(token_id) < vocab_size:
-            raise EngineError(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
-                              param="logit_bias")
-    for token_id in params.stop_token_ids or []:
-        if not 0 <= int(token_id) < vocab_size:
-            raise EngineError(f"stop token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
-                              param="stop_token_ids")
 
 
 class PendingSample:
@@ -202,7 +189,7 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request], history: To
     vocab = logits.shape[1]
     for i, request in enumerate(requests):
         for token_id, bias in (request.sampling_params.logit_bias or {}).items():
-            if 0 <= int(token_id) < vocab:  # out-of-range ids are rejected earlier by validate_for_vocab
+            if 0 <= int(token_id) < vocab:  # out-of-range ids are refused at admission (engine/admission.py)
                 rows.append(i), cols.append(int(token_id)), values.append(float(bias))
     if not rows:
         return logits

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.admission import check_prompt_length, check_request_id
 from engine.errors import EngineError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -159,14 +160,9 @@ class Scheduler:
     def _validate(self, request: Request, prompt_param: str) -> None:
         num_prompt = request.num_prompt_tokens
         max_len = self.config.max_model_len
-        if request.request_id in self._requests:
-            raise EngineError(f"request id {request.request_id!r} is already in use", param="request_id")
-        if num_prompt == 0:
-            raise EngineError("the prompt is empty: give at least one token", param=prompt_param)
-        if num_prompt > max_len:
-            raise EngineError(f"the prompt has {num_prompt} tokens, more than the context length of "
-                              f"{max_len} tokens; shorten it",
-                              param=prompt_param, code="context_length_exceeded")
+        check_request_id(request.request_id, self._requests)
+        # A prompt that fills the context exactly can still be computed (engine callers leave room for output).
+        check_prompt_length(num_prompt, max_len, prompt_param, min_output_tokens=0)
         kv = self.kv_cache_manager
         max_tokens = request.sampling_params.max_tokens or 0
         num_needed = kv.num_blocks_for_tokens(min(num_prompt + max_tokens, max_len))

@@ -28,7 +28,7 @@ RUNNER = ("engine.model_runner", "engine.cuda_graph", "engine.sampler", "engine.
           "engine.warmup")
 CORE = ("engine.request", "engine.block_pool", "engine.kv_cache_manager", "engine.scheduler", "engine.detokenizer",
         "engine.llm_engine", "engine.llm", "engine.async_engine", "engine.engine_loop", "engine.streams",
-        "engine.snapshot", "engine.metrics")
+        "engine.snapshot", "engine.metrics", "engine.admission")
 SERVING = ("engine.serving",)
 # What the UI may import of the engine: configuration, errors, plain data types and the model catalog/downloads.
 UI_MAY_USE = ("engine.config", "engine.errors", "engine.request", "engine.snapshot", "engine.tokenizer", "engine.fit",

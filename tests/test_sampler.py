@@ -9,9 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.admission import check_params_vocab
 from engine.errors import EngineError
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, TokenHistory, apply_logits_processors, validate_for_vocab
+from engine.sampler import Sampler, TokenHistory, apply_logits_processors
 
 VOCAB = 32
 NUM_DRAWS = 8192  # rows per statistical check: a frequency's std is at most 0.0055
@@ -324,11 +325,11 @@ def test_logit_bias_forces_and_forbids_tokens():
 
 def test_validate_for_vocab_rejects_unknown_ids():
     with pytest.raises(EngineError) as info:
-        validate_for_vocab(SamplingParams(logit_bias={VOCAB: 1.0}), VOCAB)
+        check_params_vocab(SamplingParams(logit_bias={VOCAB: 1.0}), VOCAB)
     assert info.value.param == "logit_bias"
     with pytest.raises(EngineError):
-        validate_for_vocab(SamplingParams(stop_token_ids=[-1]), VOCAB)
-    validate_for_vocab(SamplingParams(logit_bias={VOCAB - 1: 1.0}, stop_token_ids=[0]), VOCAB)
+        check_params_vocab(SamplingParams(stop_token_ids=[-1]), VOCAB)
+    check_params_vocab(SamplingParams(logit_bias={VOCAB - 1: 1.0}, stop_token_ids=[0]), VOCAB)
 
 
 # --- logprobs ----------------------------------------------------------------------------------------------------

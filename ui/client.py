@@ -295,11 +295,16 @@ class EngineClient:
             tokenizer = self.engine.tokenizer
             model, max_len = self.engine.model_name, self.engine.max_model_len
             prompt_ids = tokenizer.encode_chat(chat_messages(history, settings.system_prompt))
-            room = max_len - len(prompt_ids)
-            if room < 1:
+            admission = self.engine.admission  # the API's and the offline LLM's checks (engine/admission.py)
+            try:
+                admission.check_prompt(prompt_ids, "messages")
+            except EngineError as exc:
+                if exc.code != "context_length_exceeded":
+                    raise
                 raise UIError(f"The conversation is {len(prompt_ids):,} tokens but {model}'s context is "
-                              f"{max_len:,} tokens: clear the chat or remove earlier messages.")
-            params = settings.sampling_params(max(1, min(settings.max_tokens, room)))
+                              f"{max_len:,} tokens: clear the chat or remove earlier messages.") from exc
+            params = settings.sampling_params(max(1, min(settings.max_tokens, admission.output_room(len(prompt_ids)))))
+            admission.check_params(params)
         except UIError:
             raise
         except Exception as exc:
@@ -312,7 +317,8 @@ class EngineClient:
         first: float | None = None
         text, tokens, cached = "", 0, 0
         try:
-            async with aclosing(self.engine.generate(prompt_token_ids=prompt_ids, params=params)) as outputs:
+            async with aclosing(self.engine.generate(prompt_token_ids=prompt_ids, params=params,
+                                                     prompt_param="messages")) as outputs:
                 async for output in outputs:
                     sample = output.outputs[0]
                     text, tokens = sample.text, len(sample.token_ids)

@@ -28,12 +28,11 @@ from engine import bundled
 from engine.catalog import Catalog, CatalogEntry, bundled_dir, fetch
 from engine.config import ModelConfig, parse_bytes, resolve_device, resolve_dtype
 from engine.errors import EngineError
-from engine.fit import GiB, MiB, check_fit, format_bytes
+from engine.fit import GiB, MiB, check_fit, cpu_kv_cache_bytes, cuda_budget_bytes, format_bytes
 
 log = logging.getLogger("pagoda.ui")
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
-CPU_DEFAULT_KV = "256MiB"
 OPEN_SERVER = (" (as over the API): restart it with --api-key, or fetch models with `python app.py fetch <id>` "
                "on the server itself.")
 
@@ -219,17 +218,15 @@ class ModelManager:
         device = resolve_device(args.device)
         if device.type == "cuda":
             snapshot = self.engine.snapshot()
-            measured = snapshot.memory_budget if snapshot else None
             props = torch.cuda.get_device_properties(device)
             limit = parse_bytes(args.gpu_memory_limit) if args.gpu_memory_limit else None
-            budget = measured if measured else (min(limit, props.total_memory) if limit
-                                                else int(props.total_memory * args.gpu_memory_utilization))
+            budget = (snapshot.memory_budget if snapshot else None) or cuda_budget_bytes(args, device)
             how = (f"--gpu-memory-limit {args.gpu_memory_limit}" if limit
                    else f"{args.gpu_memory_utilization:.2f} × {format_bytes(props.total_memory)}")
             return Budget(budget, None, f"GPU budget {format_bytes(budget)} ({how}, {props.name})")
         import psutil
 
-        kv = parse_bytes(args.kv_cache_memory or CPU_DEFAULT_KV)
+        kv = cpu_kv_cache_bytes(args)
         available = psutil.virtual_memory().available
         return Budget(available, kv, f"CPU: {format_bytes(kv)} KV cache per model, "
                                      f"{format_bytes(available)} RAM available")

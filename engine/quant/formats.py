@@ -9,7 +9,6 @@ Everything we cannot load bit-exactly is refused with an ``EngineError`` naming 
 
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -18,12 +17,12 @@ from typing import Any
 
 import torch
 
+from engine.config import read_folder_quantization_config
 from engine.errors import EngineError
 from engine.layers.linear import PackedInt4
 
 GetTensor = Callable[[str], "torch.Tensor | None"]
 
-LEGACY_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 _DECODER_LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
 _DENSE_SUFFIXES = ("lm_head", "embed_tokens", "wte", "norm")
 
@@ -65,25 +64,6 @@ class QuantMethod(ABC):
         return f"{type(self).__name__}(bits={self.bits}, group_size={self.group_size})"
 
 
-def read_quantization_config(model_dir: Path, config: dict) -> dict | None:
-    """``quantization_config`` from config.json, else a legacy side file; None for an unquantized model."""
-    qcfg = config.get("quantization_config")
-    if qcfg:
-        return dict(qcfg)
-    for name in LEGACY_CONFIG_FILES:
-        path = Path(model_dir) / name
-        if path.is_file():
-            try:
-                legacy = json.loads(path.read_text())
-            except ValueError as exc:
-                raise EngineError(f"{path} is not valid JSON: {exc}", param="quantization_config") from exc
-            if name == "quant_config.json" and "quant_method" not in legacy:
-                legacy["quant_method"] = "awq"  # early AutoAWQ side file: {"w_bit", "q_group_size", "version"}
-            legacy.setdefault("quant_method", "gptq")  # AutoGPTQ's quantize_config.json predates the field
-            return legacy
-    return None
-
-
 def get_quant_method(model_dir: Path, config: dict) -> QuantMethod | None:
     """The loader for a checkpoint's quantization, or None when it is not quantized.
 
@@ -93,7 +73,7 @@ def get_quant_method(model_dir: Path, config: dict) -> QuantMethod | None:
     from engine.quant.awq import AWQMethod
     from engine.quant.gptq import GPTQMethod
 
-    qcfg = read_quantization_config(Path(model_dir), config)
+    qcfg = read_folder_quantization_config(model_dir, config)
     if qcfg is None:
         return None
     method = str(qcfg.get("quant_method", "")).lower()

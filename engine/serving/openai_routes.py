@@ -76,12 +76,6 @@ def sampling_params(req: p.SamplingRequest, max_tokens: int | None, prompt_len: 
         min_tokens=req.min_tokens, logprobs=logprobs, logit_bias=bias, skip_special_tokens=req.skip_special_tokens)
 
 
-def check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None:
-    if num_tokens >= max_model_len:
-        raise EngineError(f"the prompt is {num_tokens} tokens but this model's context is {max_model_len} tokens "
-                          "(prompt and output together); shorten it", param=param, code="context_length_exceeded")
-
-
 def chat_messages(req: p.ChatCompletionRequest) -> list[dict]:
     """Plain {"role", "content"} dicts for the chat template; JSON mode adds its instruction to the system turn."""
     messages = []
@@ -354,7 +348,7 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         size = sum(len(m["content"]) for m in messages)
         ids = await off_loop(tokenizer.encode_chat, messages, req.add_generation_prompt, template_tools, size=size,
                              param="messages")
-        check_prompt_length(len(ids), max_len, "messages")
+        engine.admission.check_prompt(ids, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), max_len, k)
         params.structured_outputs = request_constraint(req)
@@ -461,10 +455,7 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         tokenizer, max_len = engine.tokenizer, engine.max_model_len
         prompts = await prompt_token_ids(req.prompt, tokenizer)
         for ids in prompts:
-            check_prompt_length(len(ids), max_len, "prompt")
-            if any(t >= engine.vocab_size for t in ids):
-                raise APIError(400, f"prompt token ids must be below the vocabulary size {engine.vocab_size}",
-                               "prompt")
+            engine.admission.check_prompt(ids, "prompt")
         longest = max(len(ids) for ids in prompts)
         params = sampling_params(req, req.max_tokens, longest, max_len, req.logprobs)
         params.structured_outputs = request_constraint(req)
