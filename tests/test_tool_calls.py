@@ -6,6 +6,7 @@ and named choices makes the call valid anyway). Arguments are checked against th
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from typing import Literal
 
@@ -71,6 +72,98 @@ def test_named_choice_calls_that_function_streamed_like_openai(client):
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert json.loads(arguments) == json.loads(whole.message.tool_calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def streamed_calls(chunks) -> dict[int, tuple[str, list[str]]]:
+    """index -> (name, the argument pieces in the order they came) of a streamed answer's tool-call deltas."""
+    calls: dict[int, tuple[str, list[str]]] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                assert delta.index not in calls and delta.function.arguments == ""  # name first, args ""
+                calls[delta.index] = (delta.function.name, [])
+            else:
+                assert delta.function.name is None
+                calls[delta.index][1].append(delta.function.arguments)
+    return calls
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_arguments_arrive_in_pieces_that_add_up_to_the_whole_answer(client, choice):
+    kwargs = {"model": "", "messages": ASK, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
+              "max_tokens": 120, "parallel_tool_calls": False}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert_valid_calls(whole.message.tool_calls)
+    chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    calls = streamed_calls(chunks)
+    assert list(calls) == [0] and calls[0][0] == whole.message.tool_calls[0].function.name
+    pieces = calls[0][1]
+    assert len(pieces) >= 3 and all(pieces)  # arguments as they are generated, not in one delta
+    assert "".join(pieces) == whole.message.tool_calls[0].function.arguments  # the same JSON text
+    ARGS[calls[0][0]].model_validate_json("".join(pieces))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def stream_text(fmt: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], int]:
+    """(content, [(name, arguments)], number of argument deltas) of ``pieces`` fed one by one."""
+    from engine.serving.tools import ToolCallStream, calls_from_deltas
+
+    stream, content, deltas = ToolCallStream(fmt), "", []
+    for piece in [*pieces, None]:
+        text, new = stream.feed(piece) if piece is not None else stream.finish()
+        content, deltas = content + text, deltas + new
+    arg_deltas = sum(1 for d in deltas if "id" not in d)
+    return content, [(c.name, c.arguments) for c in calls_from_deltas(deltas)], arg_deltas
+
+
+def random_pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, len(text) // 3)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+NESTED = '{"city": "Pa}ris \\\\\\"{[", "days": [1, {"unit": "celsius"}], "note": "</tool_call>"}'
+CHECKING = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": ' + NESTED + '}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+# (format, model output, content, [(name, arguments text)], fewest argument deltas when fed character by character)
+OUTPUTS = [
+    ("hermes", CHECKING, "Checking.", [("get_weather", NESTED), ("get_time", "{}")], len(NESTED) + 2),
+    ("hermes", '<tool_call>{"arguments": {"timezone": "UTC"}, "name": "get_time"}</tool_call> done', " done",
+     [("get_time", '{"timezone": "UTC"}')], 1),  # keys the other way round: held, then sent whole
+    ("hermes", "no call, only <tool and <tool_call>broken</tool_call> text",
+     "no call, only <tool and <tool_call>broken</tool_call> text", [], 0),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": ' + NESTED[:30], "",
+     [("get_weather", NESTED[:30])], 30),  # cut short: what was written
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": ' + NESTED + '}; '
+     '{"name": "get_time", "parameters": {"timezone": "UTC"}}', "",
+     [("get_weather", NESTED), ("get_time", '{"timezone": "UTC"}')], len(NESTED) + 19),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + NESTED + '}, '
+     '{"arguments": {}, "name": "get_time"}]', "", [("get_weather", NESTED), ("get_time", "{}")], len(NESTED) + 1),
+    ("mistral", "[1, 2] is a list", "[1, 2] is a list", [], 0),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', [], 0),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls", "fewest_deltas"), OUTPUTS)
+def test_tool_call_stream_gives_the_same_answer_whatever_the_pieces(fmt, text, content, calls, fewest_deltas):
+    assert stream_text(fmt, [text])[:2] == (content, calls)
+    rng = random.Random(17)
+    for _ in range(30):
+        assert stream_text(fmt, random_pieces(text, rng))[:2] == (content, calls)
+    assert stream_text(fmt, list(text))[2] >= fewest_deltas
+
+
+def test_tool_call_stream_streams_arguments_as_they_grow():
+    from engine.serving.tools import HERMES, ToolCallStream
+
+    stream = ToolCallStream(HERMES)
+    assert stream.feed("Sure.\n<tool_call>\n") == ("Sure.", [])
+    content, deltas = stream.feed('{"name": "get_weather", "arguments": {"ci')
+    assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["index"] == 0 and deltas[0]["type"] == "function"
+    assert deltas[1] == {"index": 0, "function": {"arguments": '{"ci'}}
+    assert stream.feed('ty": "Paris"}') == ("", [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}])
+    assert stream.in_call and stream.feed("}\n</tool_call>\n") == ("", []) and not stream.in_call
+    assert stream.finish() == ("", [])  # whitespace after the call is no content
 
 
 def test_tool_result_round_trip(client):

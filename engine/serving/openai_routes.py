@@ -397,7 +397,7 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         yield chunk([p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         tracker, last = DeltaTracker(), None
-        calls = {i: ToolCallStream(tooling) for i in range(req.n)} if tooling is not None else {}
+        calls = {i: ToolCallStream(tooling.format) for i in range(req.n)} if tooling is not None else {}
         splitters = {i: ReasoningSplitter(thinking.opened) for i in range(req.n)} if thinking is not None else {}
         async for output in stream:
             last = output

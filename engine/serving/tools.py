@@ -24,6 +24,10 @@ HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 MAX_PARALLEL_CALLS = 4  # a required grammar admits at most this many calls: a small model may not stop itself
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_MARKERS = ("[TOOL_CALLS]", "<|python_tag|>")
+# a call's start up to its arguments object: {"name": "...", "arguments": (or Llama's "parameters") then {
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _FALLBACK_PROMPT = (
     "You may call functions to answer. The functions, as JSON schemas, are:\n<tools>\n{tools}\n</tools>\n"
     "To call a function, reply with one <tool_call></tool_call> block per call, each holding a JSON object "
@@ -31,11 +35,15 @@ _FALLBACK_PROMPT = (
     "</tool_call>")
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI returns it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
 
 def detect_format(chat_template: str | None) -> str:
@@ -137,11 +145,15 @@ class ToolSetup:
 
     # ---- output ---------------------------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content without the calls, the calls) of a finished output; no calls: (text, [])."""
-        calls, content = parse_tool_calls(text, self.format)
+        """(content without the calls, the calls) of a finished output; no calls: (text, []). Read by the
+        streaming parser in one piece, so a streamed answer's argument deltas add up to these arguments."""
+        stream = ToolCallStream(self.format)
+        content, deltas = stream.feed(text)
+        rest, more = stream.finish()
+        calls = calls_from_deltas(deltas + more)
         if not calls:
             return text, []
-        return (content or None), calls
+        return (content + rest).strip() or None, calls
 
 
 def _call_schema(function: dict, key: str) -> dict:
@@ -192,77 +204,241 @@ def _call_from_obj(obj) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
 class ToolCallStream:
-    """Turns one choice's streamed text into content deltas and tool-call deltas, the way OpenAI streams them:
-    a call's first delta carries its index, id, type and name (arguments ""), the next its arguments.
+    """Turns one choice's text, piece by piece, into content deltas and tool-call deltas the way OpenAI streams
+    them: a call's first delta carries its index, id, type and name (arguments ""), each later one the next
+    piece of its arguments' JSON text, as the model writes it.
 
-    Text that may begin a call is held back: in Hermes form from ``<tool_call>`` on (and any tail that could
-    grow into it), in the JSON formats the whole output once it starts with ``{``, ``[`` or a marker.
-    A call goes out when its block is complete; the rest at ``finish``.
+    A call streams once its header is read: ``{"name": "...", "arguments": `` followed by ``{`` (the order in
+    which every format's template shows it and the tool grammar writes it). From there the arguments object
+    goes out as it grows, up to its closing brace (found by following strings and nesting, so a brace in a
+    string does not end it). A call written otherwise (keys the other way round, arguments as a string) is
+    held until its end and sent as name, then all its arguments. The same machine reads whole outputs
+    (``ToolSetup.parse``), so the streamed pieces always add up to the non-streamed arguments; a call cut
+    short or malformed after its header stays a call with its arguments as written (OpenAI's may be invalid
+    JSON too; under ``required`` and named choices the grammar makes them valid).
+
+    Hermes form: text outside ``<tool_call>...</tool_call>`` is content (a tail that could grow into the marker
+    is held, and whitespace just before a call is dropped); a block that holds no call goes out as content. The
+    JSON formats: an output that starts with ``{``, ``[`` or a marker may be calls and is not content; calls
+    follow each other after ``,`` or ``;``, and text after the last one is dropped.
     """
 
-    def __init__(self, setup: ToolSetup):
-        self._setup = setup
-        self._buffer = ""  # text not released as content yet
-        self._started = False  # any content released (JSON formats: then no call can follow)
+    def __init__(self, fmt: str):
+        self.format = fmt
         self.num_calls = 0
+        self._phase = "text" if fmt == HERMES else "open"
+        self._buffer = ""  # text received and not handled yet
+        self._space = ""  # trailing whitespace of the content, held: dropped if a call follows
+        self._raw = ""  # JSON formats: the whole output, content again if it holds no call
+        self._value: _ValueEnd | None = None
+
+    @property
+    def in_call(self) -> bool:
+        """A call has started and its end has not come yet."""
+        return self._phase in ("header", "arguments", "rest")
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
-        """Content that can go out now and the tool-call deltas completed by ``text``."""
+        """Content that can go out now and the tool-call deltas that ``text`` completes."""
         self._buffer += text
-        if self._setup.format != HERMES:
-            return self._feed_json()
-        deltas = []
-        content = ""
-        while True:
-            start = self._buffer.find("<tool_call>")
-            if start < 0:
-                keep = _marker_prefix_length(self._buffer, "<tool_call>")
-                content += self._buffer[:len(self._buffer) - keep]
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                break
-            content += self._buffer[:start]
-            end = self._buffer.find("</tool_call>", start)
-            if end < 0:
-                self._buffer = self._buffer[start:]
-                break
-            block, self._buffer = self._buffer[start:end + len("</tool_call>")], self._buffer[end + len("</tool_call>"):]
-            deltas += self._deltas(parse_tool_calls(block, HERMES)[0])
-        return content, deltas
+        if self.format != HERMES:
+            self._raw += text
+        content: list[str] = []
+        deltas: list[dict] = []
+        while getattr(self, f"_{self._phase}")(content, deltas):
+            pass
+        return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[dict]]:
-        """The output ended: the calls still held (a last block cut short) or the held text as content."""
-        calls, content = parse_tool_calls(self._buffer, self._setup.format)
-        self._buffer = ""
-        if not calls:
-            return content, []
-        return (content if self._setup.format == HERMES else ""), self._deltas(calls)
+        """The output ended: a call still held goes out whole (or as content if it holds none)."""
+        content: list[str] = []
+        deltas: list[dict] = []
+        held, self._buffer = self._buffer, ""
+        if self._phase == "header" and self.format == HERMES:
+            self._whole_block(held, content, deltas, closed=False)
+        elif self._phase == "header":
+            for call in parse_tool_calls(held, self.format)[0]:
+                deltas += self._call_deltas(call)
+            if not self.num_calls:
+                content.append(self._raw)
+        elif self._phase in ("text", "open"):
+            content.append(held)
+        self._phase = "done"
+        tail = self._space + "".join(content)
+        self._space = ""
+        return (tail.rstrip() if self.num_calls else tail), deltas
 
-    def _feed_json(self) -> tuple[str, list[dict]]:
-        if self._started:
-            out, self._buffer = self._buffer, ""
-            return out, []
+    # ---- phases: each handles the buffer; True when it moved to another phase that should look at it ----------
+    def _text(self, content: list[str], deltas: list[dict]) -> bool:
+        """Hermes, outside a block."""
+        start = self._buffer.find(_OPEN)
+        if start < 0:
+            cut = len(self._buffer) - _marker_prefix_length(self._buffer, _OPEN)
+            content.append(self._release(self._buffer[:cut]))
+            self._buffer = self._buffer[cut:]
+            return False
+        content.append(self._release(self._buffer[:start]))
+        self._buffer, self._phase = self._buffer[start + len(_OPEN):], "header"
+        return True
+
+    def _open(self, content: list[str], deltas: list[dict]) -> bool:
+        """JSON formats, at the start: calls (after a marker and ``[``) or plain content?"""
         head = self._buffer.lstrip()
+        for marker in _MARKERS:
+            if len(head) < len(marker) and marker.startswith(head):
+                return False  # nothing yet, or what may still become the marker
+            if head.startswith(marker):
+                head = head[len(marker):].lstrip()
         if not head:
-            return "", []
-        if head.startswith(("{", "[")) or any(m.startswith(head[:len(m)]) for m in ("[TOOL_CALLS]", "<|python_tag|>")):
-            return "", []  # may be calls: decided at finish
-        self._started = True
-        out, self._buffer = self._buffer, ""
-        return out, []
+            return False
+        if head.startswith("["):
+            head = head[1:].lstrip()
+            if not head:
+                return False
+        if head.startswith("{"):
+            self._buffer, self._phase = head, "header"
+        else:
+            self._phase = "plain"
+        return True
 
-    def _deltas(self, calls: list[ToolCall]) -> list[dict]:
-        deltas = []
-        for call in calls:
-            index = self.num_calls
-            self.num_calls += 1
-            deltas.append({"index": index, "id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": ""}})
-            deltas.append({"index": index, "function": {"arguments": call.arguments}})
-        return deltas
+    def _header(self, content: list[str], deltas: list[dict]) -> bool:
+        """Inside a call, before its arguments: stream from here if the header reads as name, then arguments."""
+        match = _HEADER.match(self._buffer)
+        name = _json_string(match.group(1)) if match else None
+        if name is not None:
+            deltas.append(self._start_call(name))
+            self._buffer, self._phase, self._value = self._buffer[match.end():], "arguments", _ValueEnd()
+            return True
+        end = self._buffer.find(_CLOSE) if self.format == HERMES else -1
+        if end < 0:
+            return False  # Hermes: until the block ends; JSON formats: until the output does
+        body, self._buffer = self._buffer[:end], self._buffer[end + len(_CLOSE):]
+        self._whole_block(body, content, deltas)
+        self._phase = "text"
+        return True
+
+    def _arguments(self, content: list[str], deltas: list[dict]) -> bool:
+        """The arguments object goes out as it arrives, up to its closing brace."""
+        end = self._value.scan(self._buffer)
+        piece = self._buffer if end is None else self._buffer[:end]
+        self._buffer = "" if end is None else self._buffer[end:]
+        if piece:
+            deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+        if end is None:
+            return False
+        self._phase, self._value = "rest", _ValueEnd(depth=1)  # still inside the call object
+        return True
+
+    def _rest(self, content: list[str], deltas: list[dict]) -> bool:
+        """After the arguments: the end of the block (Hermes) or of the call object (JSON formats)."""
+        if self.format == HERMES:
+            end = self._buffer.find(_CLOSE)
+            if end < 0:
+                self._buffer = self._buffer[len(self._buffer) - _marker_prefix_length(self._buffer, _CLOSE):]
+                return False
+            self._buffer, self._phase = self._buffer[end + len(_CLOSE):], "text"
+            return True
+        end = self._value.scan(self._buffer)
+        self._buffer = "" if end is None else self._buffer[end:]
+        if end is None:
+            return False
+        self._phase = "between"
+        return True
+
+    def _between(self, content: list[str], deltas: list[dict]) -> bool:
+        """JSON formats, after a call: another one, or the end of the calls."""
+        self._buffer = self._buffer.lstrip(" \t\r\n,;")
+        if not self._buffer:
+            return False
+        self._phase = "header" if self._buffer.startswith("{") else "done"
+        return True
+
+    def _plain(self, content: list[str], deltas: list[dict]) -> bool:
+        content.append(self._buffer)
+        self._buffer = ""
+        return False
+
+    def _done(self, content: list[str], deltas: list[dict]) -> bool:
+        self._buffer = ""
+        return False
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _release(self, text: str) -> str:
+        """Content up to its last non-space character; the trailing whitespace waits for what follows."""
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        return body
+
+    def _whole_block(self, body: str, content: list[str], deltas: list[dict], closed: bool = True) -> None:
+        """A Hermes block read whole: its call, or the block as content when it holds none."""
+        call = _call_from_json(body.strip())
+        if call is None:
+            content.append(self._release(_OPEN + body + (_CLOSE if closed else "")))
+            return
+        deltas += self._call_deltas(call)
+
+    def _start_call(self, name: str, call_id: str | None = None) -> dict:
+        self._space = ""  # whitespace before a call is not content
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        return {"index": index, "id": call_id or new_call_id(), "type": "function",
+                "function": {"name": name, "arguments": ""}}
+
+    def _call_deltas(self, call: ToolCall) -> list[dict]:
+        first = self._start_call(call.name, call.id)
+        return [first, {"index": first["index"], "function": {"arguments": call.arguments}}]
+
+
+def calls_from_deltas(deltas: list[dict]) -> list[ToolCall]:
+    """The calls that a list of streamed tool-call deltas adds up to."""
+    names: dict[int, tuple[str, str]] = {}
+    arguments: dict[int, list[str]] = {}
+    for delta in deltas:
+        if "id" in delta:
+            names[delta["index"]] = (delta["function"]["name"], delta["id"])
+        arguments.setdefault(delta["index"], []).append(delta["function"]["arguments"])
+    return [ToolCall(name, "".join(arguments[index]), call_id) for index, (name, call_id) in sorted(names.items())]
+
+
+@dataclass
+class _ValueEnd:
+    """Where a JSON value that opens with ``{`` or ``[`` closes, read piece by piece: strings and their escapes
+    are followed, so a brace inside a string does not count. ``depth`` 1 starts inside an object."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def scan(self, text: str) -> int | None:
+        """The index just past the value's end in ``text``, or None when the value goes on."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
+def _json_string(body: str) -> str | None:
+    """The value of a JSON string literal's inside (escapes decoded), None if it is not one."""
+    try:
+        return json.loads(f'"{body}"')
+    except json.JSONDecodeError:
+        return None
 
 
 def _marker_prefix_length(text: str, marker: str) -> int:
