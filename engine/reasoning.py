@@ -80,6 +80,11 @@ class ReasoningSplitter:
     def had_reasoning(self) -> bool:
         return self.in_reasoning
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the think block now: it opened and has not closed (a UI shows its reasoning as in progress)."""
+        return self.in_reasoning and not self._done
+
 
 def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole output."""

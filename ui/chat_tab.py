@@ -1,9 +1,12 @@
 """The Chat tab: streaming multi-turn chat with sampling controls, stop/regenerate/edit/clear, per-reply stats.
 
 The conversation lives in a ``gr.State`` as plain ``{"role", "content", "stats"}`` dicts (the canonical
-history the chat template sees); the Chatbot only displays it, with each reply's token counts and speed under
-it. Chat events run with no Gradio concurrency limit so that several browser tabs chatting at once reach the
-engine together and are batched there.
+history the chat template sees; a reply also keeps its ``reasoning`` and whether it is still ``live``); the
+Chatbot only displays it: a thinking model's reasoning as a collapsible "thought" (open with a spinner while
+the model thinks, closed once it answers), the answer, each tool call the model wrote as a card titled with
+the function's name and its arguments as indented JSON, and the reply's token counts and speed last. Chat
+events run with no Gradio concurrency limit so that several browser tabs chatting at once reach the engine
+together and are batched there.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine.tokenizer import flatten_content
-from ui.client import ChatSettings, EngineClient, UIError
+from ui.client import ChatSettings, EngineClient, ReplyChunk, ToolCallView, UIError, answer_parts
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful, concise assistant."
 
@@ -31,16 +34,58 @@ class ChatTab:
 
 
 def render(history: list[dict]) -> list[dict]:
-    """Chatbot messages for the canonical history: each reply followed by its stats line."""
+    """Chatbot messages for the canonical history: each reply as its parts, its stats line last."""
     messages = []
     for turn in history:
-        content = flatten_content(turn.get("content"))
-        if turn.get("role") == "assistant" and turn.get("stats"):
-            footer = html.escape(turn["stats"])
-            content = f"{content}\n\n<span class='reply-stats'>{footer}</span>" if content else \
-                f"<span class='reply-stats'>{footer}</span>"
-        messages.append({"role": turn["role"], "content": content})
+        if turn.get("role") == "assistant":
+            messages += reply_messages(turn)
+        else:
+            messages.append({"role": turn["role"], "content": flatten_content(turn.get("content"))})
     return messages
+
+
+def reply_messages(turn: dict) -> list[dict]:
+    """One reply: its reasoning (a thought), its text, a card per tool call, the stats line under the last."""
+    live = bool(turn.get("live"))
+    shown = []
+    if turn.get("reasoning") or turn.get("thinking"):
+        thinking = bool(turn.get("thinking"))
+        shown.append({"role": "assistant", "content": turn.get("reasoning") or "",
+                      "metadata": {"title": "Thinking…" if thinking else "Reasoning",
+                                   "status": "pending" if thinking else "done"}})
+    text, calls = answer_parts(flatten_content(turn.get("content")), live)
+    if text:
+        shown.append({"role": "assistant", "content": text})
+    shown += [tool_call_card(call, live) for call in calls]
+    if turn.get("stats"):
+        footer = f"<span class='reply-stats'>{html.escape(turn['stats'])}</span>"
+        if text and not calls:  # the text is the last part: the line goes under it
+            shown[-1] = {"role": "assistant", "content": f"{text}\n\n{footer}"}
+        else:
+            shown.append({"role": "assistant", "content": footer})
+    return shown or [{"role": "assistant", "content": ""}]
+
+
+def tool_call_card(call: ToolCallView, live: bool) -> dict:
+    """A tool call as its own message: the function's name as the title, the arguments as a JSON block
+    (a spinner while they are still being written)."""
+    body = call.pretty_arguments()
+    fence = "````" if "```" in body else "```"
+    metadata = {"title": f"Tool call: {call.name}"}
+    if live and not call.complete:
+        metadata["status"] = "pending"
+    return {"role": "assistant", "content": f"{fence}json\n{body}\n{fence}", "metadata": metadata}
+
+
+def reply_turn(chunk: ReplyChunk) -> dict:
+    """The canonical history entry of a reply so far."""
+    return {"role": "assistant", "content": chunk.text, "reasoning": chunk.reasoning, "thinking": chunk.thinking,
+            "live": not chunk.finished, "stats": chunk.stats.describe()}
+
+
+def settled(turn: dict) -> dict:
+    """A reply that will grow no more (stopped or cut off): nothing in it is shown as in progress."""
+    return {**turn, "live": False, "thinking": False}
 
 
 def hidden() -> dict:
@@ -134,22 +179,22 @@ async def stream_reply(client: EngineClient, history: list[dict], settings: Chat
     from another tab.
     """
     stop, discard = signal
-    reply = {"role": "assistant", "content": "", "stats": ""}
+    reply = {"role": "assistant", "content": "", "stats": "", "live": True}
     shown = [*history, reply]
     yield shown, render(shown), hidden(), "Generating …", client.model_summary()
     try:
         async for chunk in until_stopped(client.chat_stream(history, settings), stop):
-            reply = {"role": "assistant", "content": chunk.text, "stats": chunk.stats.describe()}
+            reply = reply_turn(chunk)
             shown = [*history, reply]
             status = client.model_summary() if chunk.finished else gr.update()
             yield shown, render(shown), gr.update(), f"**Last reply:** {reply['stats']}", status
     except UIError as exc:
         gr.Warning(exc.message)
-        kept = shown if reply["content"] else history  # keep a partial reply; drop an empty one
-        yield kept, render(kept), error_box(exc.message), "", client.model_summary()
+        kept = [*history, settled(reply)] if reply["content"] or reply.get("reasoning") else history
+        yield kept, render(kept), error_box(exc.message), "", client.model_summary()  # a partial reply stays
         return
     if stop.is_set() and not discard[0]:
-        reply = {**reply, "stats": (reply["stats"] or "0 tokens") + " · stopped"}
+        reply = {**settled(reply), "stats": (reply["stats"] or "0 tokens") + " · stopped"}
         shown = [*history, reply]
         yield shown, render(shown), gr.update(), f"**Stopped.** {reply['stats']}", gr.update()
 

@@ -9,6 +9,7 @@ small amount of UI-side state (throughput history, added models, running downloa
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -20,7 +21,9 @@ from typing import Any
 
 from engine.config import EngineArgs, resolve_device
 from engine.errors import EngineError, EngineStepError
+from engine.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_thinks
 from engine.request import SamplingParams
+from engine.serving.tools import HERMES, ToolCallStream, calls_from_deltas
 from engine.snapshot import EngineSnapshot
 from engine.tokenizer import flatten_content
 from ui.model_manager import ModelManager, UIError
@@ -104,11 +107,91 @@ class ReplyStats:
 
 @dataclass(frozen=True)
 class ReplyChunk:
-    """The reply so far (cumulative text) and its stats."""
+    """The reply so far and its stats. ``text`` is the answer as the model wrote it (cumulative, tool calls
+    included: the chat template sees it again next turn); a thinking model's ``reasoning`` is apart, and
+    ``thinking`` says its think block is still open."""
 
     text: str
     stats: ReplyStats
     finished: bool
+    reasoning: str = ""
+    thinking: bool = False
+
+
+def reasoning_splitter(tokenizer, prompt_ids: list[int]) -> ReasoningSplitter | None:
+    """A splitter for a model that thinks (its template knows ``</think>``), None for the others; the output
+    starts inside the think block when the prompt opened it (the same reading as the API's)."""
+    if not template_thinks(tokenizer.hf.chat_template):
+        return None
+    tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+    return ReasoningSplitter(prompt_opens_reasoning(tail))
+
+
+@dataclass
+class ReplyText:
+    """One reply's text as its cumulative outputs arrive: a thinking model's reasoning apart from its answer."""
+
+    splitter: ReasoningSplitter | None
+    reasoning: str = ""
+    answer: str = ""
+    finished: bool = False
+    _seen: int = 0
+
+    def update(self, text: str, finished: bool) -> None:
+        """``text``: the sample's whole text so far."""
+        new, self._seen = text[self._seen:], len(text)
+        self.finished = finished
+        if self.splitter is None:
+            self.answer += new
+            return
+        reasoning, answer = self.splitter.feed(new)
+        if finished:
+            more_reasoning, more_answer = self.splitter.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        self.reasoning, self.answer = self.reasoning + reasoning, self.answer + answer
+
+    @property
+    def thinking(self) -> bool:
+        return self.splitter is not None and self.splitter.thinking and not self.finished
+
+
+@dataclass(frozen=True)
+class ToolCallView:
+    """A tool call the model wrote, as the chat shows it."""
+
+    name: str
+    arguments: str  # JSON text as written; still growing while ``complete`` is False
+    complete: bool
+
+    def pretty_arguments(self) -> str:
+        """The arguments indented, or as written while they are not (yet) JSON."""
+        try:
+            return json.dumps(json.loads(self.arguments), indent=2, ensure_ascii=False)
+        except json.JSONDecodeError:
+            return self.arguments
+
+
+def answer_parts(answer: str, live: bool = False) -> tuple[str, list[ToolCallView]]:
+    """(the answer's text without its tool calls, the calls) for display.
+
+    Calls are read in Hermes form (``<tool_call>{"name", "arguments"}</tool_call>``): Pagoda asks any model
+    that knows no tools for that form, Qwen and Hermes models write it, and its marker cannot be mistaken for
+    prose. The bare-JSON forms of Llama 3 and Mistral are not read here: the chat offers no tools, and a JSON
+    answer shown as a call would be wrong. ``live``: the reply is still streaming, so a tail that may become a
+    call is not shown yet and the last call may still be growing.
+    """
+    stream = ToolCallStream(HERMES)
+    content, deltas = stream.feed(answer)
+    growing = live and stream.in_call
+    if not live:
+        rest, more = stream.finish()
+        content, deltas = content + rest, deltas + more
+    calls = calls_from_deltas(deltas)
+    if not calls:
+        return content, []
+    views = [ToolCallView(c.name, c.arguments, complete=not (growing and i == len(calls) - 1))
+             for i, c in enumerate(calls)]
+    return content.strip(), views
 
 
 def chat_messages(history: list[dict], system_prompt: str) -> list[dict]:
@@ -284,7 +367,8 @@ class EngineClient:
 
     # ---- chat -------------------------------------------------------------------------------------------
     async def chat_stream(self, history: list[dict], settings: ChatSettings) -> AsyncIterator[ReplyChunk]:
-        """Stream the assistant's reply to ``history`` (whose last message is the user's) token by token.
+        """Stream the assistant's reply to ``history`` (whose last message is the user's) token by token, a
+        thinking model's reasoning apart from its answer.
 
         Raises UIError with a readable message for an empty message, no model, a prompt longer than the
         context, bad sampling values, or a model switch mid-reply (the partial text was already yielded).
@@ -305,29 +389,32 @@ class EngineClient:
                               f"{max_len:,} tokens: clear the chat or remove earlier messages.") from exc
             params = settings.sampling_params(max(1, min(settings.max_tokens, admission.output_room(len(prompt_ids)))))
             admission.check_params(params)
+            reply = ReplyText(reasoning_splitter(tokenizer, prompt_ids))
         except UIError:
             raise
         except Exception as exc:
             raise UIError(explain(exc)) from exc
-        async for chunk in self._generate(prompt_ids, params, model):
+        async for chunk in self._generate(prompt_ids, params, model, reply):
             yield chunk
 
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams, model: str) -> AsyncIterator[ReplyChunk]:
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, model: str,
+                        reply: ReplyText) -> AsyncIterator[ReplyChunk]:
         started = time.monotonic()
         first: float | None = None
-        text, tokens, cached = "", 0, 0
+        tokens, cached = 0, 0
         try:
             async with aclosing(self.engine.generate(prompt_token_ids=prompt_ids, params=params,
                                                      prompt_param="messages")) as outputs:
                 async for output in outputs:
                     sample = output.outputs[0]
-                    text, tokens = sample.text, len(sample.token_ids)
+                    reply.update(sample.text, output.finished)
+                    tokens = len(sample.token_ids)
                     cached = output.num_cached_tokens or 0
                     if first is None and tokens:
                         first = time.monotonic() - started
                     stats = ReplyStats(model, len(prompt_ids), cached, tokens, time.monotonic() - started, first,
                                        sample.finish_reason)
-                    yield ReplyChunk(text, stats, output.finished)
+                    yield ReplyChunk(reply.answer, stats, output.finished, reply.reasoning, reply.thinking)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
