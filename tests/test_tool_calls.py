@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Literal
 
@@ -181,6 +183,18 @@ def test_tool_result_round_trip(client):
     final = client.chat.completions.create(model="", messages=history, tools=TOOLS, tool_choice="none",
                                            temperature=0, max_tokens=8)
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_the_server_tabs_tool_calling_snippet_runs(client):
+    """The Server tab's example, run as a user would paste it, against this server: the call, then the answer."""
+    from ui.server_tab import tools_snippet
+
+    model = client.models.list().data[0].id
+    snippet = tools_snippet(str(client.base_url).rstrip("/"), model, api_key_required=False)
+    run = subprocess.run([sys.executable, "-c", snippet], check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    printed = run.stdout.splitlines()
+    assert printed[0].startswith("call: get_weather {") and "'city':" in printed[0] and len(printed) >= 2
 
 
 def test_tool_errors_are_400s(client):

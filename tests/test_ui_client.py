@@ -19,7 +19,7 @@ from fake_hub import FakeHub
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
-from ui.client import ChatSettings, EngineClient, UIError, chat_messages, memory_segments
+from ui.client import ChatSettings, EngineClient, ServerFacts, UIError, chat_messages, memory_segments
 from ui.model_manager import ModelManager
 from ui.server_tab import command_line, server_info, snippets
 
@@ -167,6 +167,27 @@ def test_snippets_are_valid_python_and_json():
     body = curl.split("-d '", 1)[1].rsplit("'", 1)[0]
     assert json.loads(body)["model"] == "m"
     assert "Authorization: Bearer $PAGODA_API_KEY" in curl and 'os.environ["PAGODA_API_KEY"]' in python
+
+
+def test_tool_calling_snippet_is_valid_python_for_the_running_model(client, engine):
+    import ast
+
+    info = server_info(client.server_facts())
+    tree = ast.parse(info.tools_snippet)  # a SyntaxError fails here
+    compile(tree, "snippet", "exec")
+    calls = {}  # called name -> keyword arguments of each call
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            calls.setdefault(name, []).append({kw.arg: kw.value for kw in node.keywords})
+    assert ast.literal_eval(calls["OpenAI"][0]["base_url"]) == info.api_url
+    assert len(calls["create"]) == 2  # the call, then the answer to its result
+    for kwargs in calls["create"]:
+        assert ast.literal_eval(kwargs["model"]) == engine.model_name and "tools" in kwargs
+    assert ast.literal_eval(calls["create"][0]["tool_choice"]) == "required"
+    keyed = server_info(ServerFacts(**{**vars(client.server_facts()), "api_key_required": True}))
+    assert 'api_key=os.environ["PAGODA_API_KEY"]' in keyed.tools_snippet
+    compile(keyed.tools_snippet, "snippet", "exec")
 
 
 def test_server_info_names_the_endpoint_and_the_served_model(client, engine):

@@ -1,8 +1,8 @@
 """The Server tab: the OpenAI endpoint URL, whether a key is needed, copy-paste snippets, settings, command line.
 
-The URL is taken from the browser's own request (Host header) when the tab opens, so it is the address that
-works from where the page is open, not the bind address. The snippets read the key from $PAGODA_API_KEY:
-the page never shows the key itself.
+The snippets: a streamed chat, the same with curl, and a tool-calling round trip. The URL is taken from the
+browser's own request (Host header) when the tab opens, so it is the address that works from where the page is
+open, not the bind address. The snippets read the key from $PAGODA_API_KEY: the page never shows the key itself.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class ServerInfo:
     command_line: str
     python_snippet: str
     curl_snippet: str
+    tools_snippet: str
 
 
 def command_line(args: EngineArgs, host: str, port: int, api_key_required: bool) -> str:
@@ -64,16 +65,43 @@ def snippets(api_url: str, model: str, api_key_required: bool) -> tuple[str, str
     return python, curl
 
 
+def tools_snippet(api_url: str, model: str, api_key_required: bool) -> str:
+    """A tool-calling round trip with the openai client: offer a function, get its call (``tool_choice``
+    "required" makes even a small model call it), run it, send the result back for the answer."""
+    key = 'os.environ["PAGODA_API_KEY"]' if api_key_required else '"not-needed"'
+    return (f'import json\nimport os\n\nfrom openai import OpenAI\n\nclient = OpenAI(base_url="{api_url}", '
+            f'api_key={key})\n'
+            'tools = [{\n    "type": "function",\n    "function": {\n        "name": "get_weather",\n'
+            '        "description": "The current weather in a city",\n        "parameters": {\n'
+            '            "type": "object",\n            "properties": {\n'
+            '                "city": {"type": "string", "maxLength": 40},\n'
+            '                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},\n            },\n'
+            '            "required": ["city", "unit"],\n            "additionalProperties": False,\n        },\n    },\n}]\n'
+            'messages = [{"role": "user", "content": "What is the weather in Paris?"}]\n'
+            f'response = client.chat.completions.create(\n    model="{model}",\n    messages=messages,\n'
+            '    tools=tools,\n    tool_choice="required",  # or "auto", "none", '
+            '{"type": "function", "function": {"name": "get_weather"}}\n    max_tokens=256,\n)\n'
+            'message = response.choices[0].message\nmessages.append(message.model_dump(exclude_none=True))\n'
+            'for call in message.tool_calls:\n    args = json.loads(call.function.arguments)\n'
+            '    print("call:", call.function.name, args)\n'
+            '    result = {"city": args["city"], "temperature": 21, "unit": args["unit"]}  # run the tool here\n'
+            '    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})\n'
+            f'final = client.chat.completions.create(model="{model}", messages=messages, tools=tools, '
+            'max_tokens=128)\nprint(final.choices[0].message.content)\n')
+
+
 def server_info(facts: ServerFacts, base_url: str | None = None) -> ServerInfo:
     host = "127.0.0.1" if facts.host in ("0.0.0.0", "::", "") else facts.host
     base = (base_url or f"http://{host}:{facts.port}").rstrip("/")
     api = f"{base}/v1"
     args = facts.engine_args
-    python, curl = snippets(api, facts.model or args.model, facts.api_key_required)
+    model = facts.model or args.model
+    python, curl = snippets(api, model, facts.api_key_required)
     settings = {f.name: getattr(args, f.name) for f in fields(EngineArgs)}
     settings["max_model_len (effective)"] = facts.max_model_len
     return ServerInfo(base, api, facts.api_key_required, facts.model, settings,
-                      command_line(args, facts.host, facts.port, facts.api_key_required), python, curl)
+                      command_line(args, facts.host, facts.port, facts.api_key_required), python, curl,
+                      tools_snippet(api, model, facts.api_key_required))
 
 
 def base_url_of(request: gr.Request | None) -> str | None:
@@ -118,7 +146,8 @@ class ServerTab:
     @staticmethod
     def values(client: EngineClient, request: gr.Request | None = None) -> tuple:
         info = server_info(client.server_facts(), base_url_of(request))
-        return (endpoint_md(info), info.python_snippet, info.curl_snippet, settings_md(info), info.command_line)
+        return (endpoint_md(info), info.python_snippet, info.curl_snippet, info.tools_snippet, settings_md(info),
+                info.command_line)
 
 
 def build_server_tab(client: EngineClient) -> ServerTab:
@@ -134,6 +163,8 @@ def build_server_tab(client: EngineClient) -> ServerTab:
         with gr.Column():
             curl = gr.Code(info.curl_snippet, language="shell", label="curl", interactive=False,
                            elem_id="snippet-curl")
+    tools = gr.Code(info.tools_snippet, language="python", label="Python: tool calling (tools, tool_choice)",
+                    interactive=False, elem_id="snippet-tools")
     gr.Markdown("### Engine settings")
     with gr.Row(equal_height=False):
         with gr.Column():
@@ -141,4 +172,4 @@ def build_server_tab(client: EngineClient) -> ServerTab:
         with gr.Column():
             command = gr.Code(info.command_line, language="shell", label="Command line that reproduces them",
                               interactive=False, elem_id="server-command")
-    return ServerTab([endpoint, python, curl, settings, command])
+    return ServerTab([endpoint, python, curl, tools, settings, command])
