@@ -35,7 +35,7 @@ class Backend:
     triton_ops: frozenset[str] | None = None
 
     @staticmethod
-    def for_device(device: torch.device | str, force_reference: bool = False) -> "Backend":
+    def for_device(device: torch.device | str, force_reference: bool = False) -> Backend:
         dev = torch.device(device)
         return Backend(use_triton=(dev.type == "cuda" and not force_reference and triton_available()))
 
@@ -73,3 +73,6 @@ class Backend:
 
     def w4a16_matmul(self, x, qweight, scales, zeros, group_size, perm=None):
         return self._for("w4a16_matmul").w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
+
+    def w4a16_gemv(self, x, qweight, scales, zeros, group_size, perm=None, **fused):
+        return self._for("w4a16_gemv").w4a16_gemv(x, qweight, scales, zeros, group_size, perm, **fused)

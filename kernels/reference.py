@@ -190,3 +190,32 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x = x[:, perm]
     w = dequantize_int4(qweight, scales.to(x.dtype), zeros.to(x.dtype), group_size)
     return x @ w
+
+
+def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None) -> torch.Tensor:
+    """One-row W4A16 matmul with the decode layer's neighbours fused, as the unfused ops compute it.
+
+    x: [1, K]. ``norm_weight`` [K]: x is RMS-normalised first (``rms_norm(x, norm_weight, eps)[0]``).
+    ``residual`` [1, N]: returns ``residual`` with y added in place. ``silu``: the weight holds gate then up
+    columns; returns ``silu_and_mul(y)`` [1, N // 2]. ``rope``: the weight is qkv; dict(positions [1],
+    slot_mapping [1], cos_sin_cache, k_cache, v_cache, q_size, kv_size, head_dim): rotary q and k, k and v
+    written to the slot, returns q [1, q_size]. Otherwise returns y [1, N].
+    """
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)[0]
+    y = w4a16_matmul(x, qweight, scales, zeros, group_size, perm)  # [1, N] in x's dtype
+    if residual is not None:
+        return residual.copy_(y + residual)
+    if silu:
+        return silu_and_mul(y)
+    if rope is not None:
+        q_size, kv_size, head_dim = rope["q_size"], rope["kv_size"], rope["head_dim"]
+        q = y[:, :q_size].view(1, q_size // head_dim, head_dim)
+        k = y[:, q_size:q_size + kv_size].view(1, kv_size // head_dim, head_dim)
+        v = y[:, q_size + kv_size:].reshape(1, kv_size // head_dim, head_dim)
+        q, k = rotary_embedding(rope["positions"], q, k, rope["cos_sin_cache"])
+        reshape_and_cache(k, v, rope["k_cache"], rope["v_cache"], rope["slot_mapping"])
+        return q.reshape(1, q_size)
+    return y

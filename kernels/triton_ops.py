@@ -12,6 +12,8 @@ Shapes:
   paged_decode_attention  q [S, H, D]; block_tables [S, max_blocks]; context_lens [S] -> [S, H, D]
   w4a16_matmul        x [M, K]; qweight [K // 8, N] int32; scales, zeros [K // G, N]; perm [K] | None
                       -> [M, N]
+  w4a16_gemv          x [1, K] and the same weights, with a fused RMSNorm before and a residual add, SiLU x up
+                      or rotary + KV-cache write after (reference.w4a16_gemv) -> [1, N], [1, N // 2] or q
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels.triton import activation, cache, decode_attention, norm, prefill_attention, rotary, w4a16
+from kernels.triton import w4a16_gemv as gemv
 
 
 def rms_norm(
@@ -81,3 +84,10 @@ def w4a16_matmul(
     perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return w4a16.w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
+
+
+def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None) -> torch.Tensor:
+    return gemv.w4a16_gemv(x, qweight, scales, zeros, group_size, perm, norm_weight=norm_weight, eps=eps,
+                           residual=residual, silu=silu, rope=rope)

@@ -246,6 +246,77 @@ def check_w4a16_planes(device: str, dtype: torch.dtype, m: int, k: int, n: int, 
     assert_rel(out, exp, TOL[dtype]["matmul"], f"w4a16 planes {variant} M={m} K={k} N={n} G={group_size}")
 
 
+GEMV_FUSIONS = ["plain", "norm", "residual", "silu", "rope"]
+
+
+def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bool, fusion: str,
+                     head_dim: int = 32, plan=None) -> None:
+    """The M = 1 half2 GEMV (kernels/triton/w4a16_gemv.py), alone or with a fused neighbour, against the unfused
+    reference ops: RMSNorm before it, a residual add, silu(gate) * up, or rotary + KV-cache write after it."""
+    from kernels.triton.w4a16_gemv import w4a16_gemv
+
+    dtype = torch.float16
+    wide = torch.float64 if device == "cpu" else torch.float32
+    qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
+    perm = torch.randperm(k, device=device) if act_order else None
+    what = f"w4a16 gemv {fusion} K={k} N={n} G={group_size} act_order={act_order}"
+
+    def matmul(x):  # the reference product, rounded to fp16 as the unfused op returns it
+        return ref.w4a16_matmul(x.to(wide), qweight, scales, zeros, group_size, perm).to(dtype)
+
+    for call in range(2):  # split-K arrival counters kept on the weight must be ready for the next call
+        x = torch.randn(1, k, dtype=dtype, device=device)
+        poison(device, n * 8)
+        if fusion == "plain":
+            assert_rel(w4a16_gemv(x, qweight, scales, zeros, group_size, perm, plan=plan), matmul(x),
+                       TOL[dtype]["matmul"], what)
+        elif fusion == "norm":
+            weight = torch.rand(k, dtype=dtype, device=device) + 0.5
+            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, norm_weight=weight, eps=1e-5, plan=plan)
+            assert_rel(out, matmul(ref.rms_norm(x, weight, 1e-5)[0]), TOL[dtype]["matmul"], what)
+        elif fusion == "residual":
+            residual = torch.randn(1, n, dtype=dtype, device=device)
+            expected = matmul(x) + residual
+            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, residual=residual, plan=plan)
+            assert out is residual, f"{what}: the residual is updated in place"
+            assert_rel(out, expected, TOL[dtype]["matmul"], what)
+        elif fusion == "silu":
+            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, silu=True, plan=plan)
+            assert_rel(out, ref.silu_and_mul(matmul(x)), TOL[dtype]["matmul"], what)
+        else:
+            _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan)
+
+
+def _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan):
+    from kernels.triton.w4a16_gemv import w4a16_gemv
+
+    kv_heads = n // head_dim // 4  # q heads : kv heads = 2 : 1
+    heads = 2 * kv_heads
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    assert q_size + 2 * kv_size == n
+    block_size, num_blocks, max_pos = 16, 4, 64
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=x.dtype, device=device)
+    v_cache = torch.randn(cache_shape, dtype=x.dtype, device=device)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    angles = torch.rand(max_pos, head_dim // 2, device=device) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # [max_pos, head_dim]
+    positions = torch.tensor([int(torch.randint(0, max_pos, (1,)))], device=device)
+    slots = torch.tensor([int(torch.randint(0, num_blocks * block_size, (1,)))], device=device)
+    qkv = matmul(x)
+    q = qkv[:, :q_size].view(1, heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(1, kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].reshape(1, kv_heads, head_dim)
+    q_rot, k_rot = ref.rotary_embedding(positions, q, k, cos_sin)
+    ref.reshape_and_cache(k_rot, v, k_expected, v_expected, slots)
+    rope = {"positions": positions, "slot_mapping": slots, "cos_sin_cache": cos_sin, "k_cache": k_cache,
+            "v_cache": v_cache, "q_size": q_size, "kv_size": kv_size, "head_dim": head_dim}
+    out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, rope=rope, plan=plan)
+    assert_rel(out, q_rot.reshape(1, q_size), TOL[x.dtype]["matmul"], f"{what}: rotary q")
+    assert_rel(k_cache, k_expected, TOL[x.dtype]["matmul"], f"{what}: k cache")
+    assert_rel(v_cache, v_expected, TOL[x.dtype]["matmul"], f"{what}: v cache")
+
+
 # ---- small cases for the CPU interpreter (run by tests/test_kernels.py with TRITON_INTERPRET=1) ----
 
 CPU_DTYPES = [torch.float16, torch.float32]
@@ -369,3 +440,12 @@ def test_w4a16_gemv_variants(kernel, scale_after, serial):
         out = w4a16_matmul(x, qweight, scales, zeros, 64, path="gemv", config=dict(cfg))
         exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 64).to(torch.float16)
         assert_rel(out, exp, TOL[torch.float16]["matmul"], f"gemv {kernel} scale_after={scale_after} serial={serial}")
+
+
+@pytest.mark.parametrize(
+    "fusion,group_size,act_order",
+    [("plain", 32, False), ("plain", 128, True), ("norm", 64, True), ("residual", 256, False), ("silu", 32, False),
+     ("rope", 64, False)],
+)
+def test_w4a16_gemv(fusion, group_size, act_order):
+    check_w4a16_gemv("cpu", 256, 128 if fusion == "rope" else 64, group_size, act_order, fusion)

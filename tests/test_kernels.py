@@ -41,6 +41,7 @@ def test_triton_ops_have_the_reference_signatures():
         "paged_attention",
         "paged_decode_attention",
         "w4a16_matmul",
+        "w4a16_gemv",
     ]:
         assert inspect.signature(getattr(triton_ops, name)) == inspect.signature(getattr(reference, name)), (
             name
@@ -169,3 +170,31 @@ def test_gpu_w4a16_group_sizes_and_act_order(m, group_size, act_order):
 def test_gpu_w4a16_planes_variants(dtype, variant, m, act_order):
     # N = 4144 is not a multiple of any tile width: the edge tile's masks are exercised
     _cases().check_w4a16_planes("cuda", dtype, m, 4096, 4144, 128, act_order, variant)
+
+
+GEMV_SHAPES = [(4096, 4096, 128), (4096, 28672, 128), (14336, 4096, 128), (4096, 6144, 128), (576, 960, 32),
+               (576, 3072, 32), (1536, 576, 32), (4096, 4144, 128)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n,group_size", GEMV_SHAPES)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gpu_w4a16_gemv_shapes(k, n, group_size, act_order):
+    # N = 4144 is not a multiple of any column tile: the edge tile's masks are exercised
+    _cases().check_w4a16_gemv("cuda", k, n, group_size, act_order, "plain")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fusion", ["norm", "residual", "silu"])
+@pytest.mark.parametrize("k,n,group_size", [(4096, 28672, 128), (576, 3072, 32), (14336, 4096, 64)])
+def test_gpu_w4a16_gemv_fusions(fusion, k, n, group_size):
+    _cases().check_w4a16_gemv("cuda", k, n, group_size, False, fusion)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n,head_dim,group_size", [(4096, 8192, 128, 128), (576, 1024, 64, 32)])
+def test_gpu_w4a16_gemv_rope_and_cache(k, n, head_dim, group_size):
+    _cases().check_w4a16_gemv("cuda", k, n, group_size, False, "rope", head_dim=head_dim)

@@ -113,6 +113,7 @@ def _planes_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     # x [M, K] @ W [K, N]; grid = (m tiles * n tiles, splits). splits == 1: out [M, N] directly; else fp32
     # partials [splits, M, N] in part_ptr, summed by the last program of each tile (SERIAL) or by a reduce kernel
@@ -199,8 +200,9 @@ def _planes_kernel(
             ticket = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if (ticket & (LOCK_PERIOD - 1)) == splits - 1:  # (& not %: int32 wraps after 2M calls)
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for sk in range(splits):
-                    total += tl.load(part_ptr + sk * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                for sk in tl.static_range(SPLITS):  # unrolled: the loads are in flight together, not one per trip
+                    live = mask & ((tile * 0 + sk) < splits)  # (a tensor mask: the interpreter mistypes scalars)
+                    total += tl.load(part_ptr + sk * M * N + tile, mask=live, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], total.to(dtype), mask=mask)
                 tl.atomic_add(lock_ptr + pid, lock_rest, sem="relaxed", scope="gpu")
 
@@ -271,7 +273,7 @@ def planes_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x, qweight, scales, zeros, perm if perm is not None else qweight, out, part, lock,
         m, n, k, per, split, LOCK_PERIOD.value - split, x.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_PERM=perm is not None, SERIAL=bool(serial and split > 1), USE_ASM=not interpret,
-        **cfg,
+        SPLITS=triton.next_power_of_2(split), **cfg,
     )
     if split > 1 and not serial:
         block = 1024 if not interpret else 256

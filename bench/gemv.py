@@ -1,0 +1,240 @@
+"""W4A16 at M = 1 (issue 15): our GEMV against copy bandwidth, the older paths, GemLite and tinygemm, one run.
+
+Run on the GPU machine: ``python3 bench/gemv.py [--out kernels_gemv.json] [--sweep]`` (GemLite is imported
+from ``.peers``, see ../shared/peers/README.md). Each op is timed as CUDA-graph replays over enough input sets
+to exceed the L2 (bench/kernels.py's ``bench_graph``), so weights come from HBM and launch overhead is the
+in-graph one the engine pays. Bytes counted: packed weights, scales and zeros (fp16), x and y.
+``--sweep`` times tile / split / warp variants of our kernel per shape (the basis of ``gemv_plan``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.kernels import bench_graph, copy_bandwidth, sets_for
+from kernels.triton import w4a16 as w4a16_mod
+from kernels.triton.common import num_sms
+from kernels.triton.w4a16_gemv import GemvPlan, gemv_plan, w4a16_gemv
+
+DEV = "cuda"
+SHAPES = {  # K x N, group size; the issue's targets are on the Llama-3-8B shapes
+    "8B qkv 4096x6144": (4096, 6144, 128),
+    "8B o 4096x4096": (4096, 4096, 128),
+    "8B gate/up 4096x28672": (4096, 28672, 128),
+    "8B gate or up 4096x14336": (4096, 14336, 128),
+    "8B down 14336x4096": (14336, 4096, 128),
+    "7B qkv 4096x12288": (4096, 12288, 128),
+    "7B gate/up 4096x22016": (4096, 22016, 128),
+    "7B down 11008x4096": (11008, 4096, 128),
+    "SmolLM2 qkv 576x960 g32": (576, 960, 32),
+    "SmolLM2 gate/up 576x3072 g32": (576, 3072, 32),
+    "SmolLM2 down 1536x576 g32": (1536, 576, 32),
+}
+TARGETS = {  # shape -> (fraction of copy bandwidth, x GemLite, x tinygemm)
+    "8B gate or up 4096x14336": (0.70, 1.3, 1.2),
+    "8B down 14336x4096": (0.70, 1.3, 1.2),
+    "8B gate/up 4096x28672": (0.70, 1.3, 1.2),
+    "8B o 4096x4096": (0.50, 1.3, 1.2),
+}
+
+
+def weight_bytes(k: int, n: int, group: int) -> int:
+    return k * n // 2 + 2 * (k // group) * n * 2 + 2 * k + 2 * n
+
+
+def random_weight(k: int, n: int, group: int):
+    codes = torch.randint(0, 16, (k // 8, n, 8), dtype=torch.int32, device=DEV)
+    qweight = (codes << (4 * torch.arange(8, device=DEV, dtype=torch.int32))).sum(-1, dtype=torch.int32)
+    scales = (torch.rand(k // group, n, device=DEV) * 0.01 + 0.001).half()
+    zeros = torch.randint(5, 11, (k // group, n), device=DEV).half()
+    return qweight, scales, zeros
+
+
+def time_ours(x, weights, group, plan=None) -> float:
+    return bench_graph([partial(w4a16_gemv, x, *w, group, plan=plan) for w in weights])
+
+
+def time_previous(x, weights, group) -> float:
+    return bench_graph([partial(w4a16_mod.w4a16_matmul, x, *w, group) for w in weights])
+
+
+def time_gemlite(x, k, n, group, count) -> float:
+    sys.path.insert(0, str(ROOT / ".peers"))
+    from gemlite.core import DType, GemLiteLinear
+
+    GemLiteLinear.load_config(str(ROOT / ".peers/gemlite/configs/h100.json"), print_error=False)
+    layers = []
+    for _ in range(count):
+        layer = GemLiteLinear(W_nbits=4, group_size=group, in_features=k, out_features=n,
+                              input_dtype=DType.FP16, output_dtype=DType.FP16)
+        w_q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=DEV)
+        scales = (torch.rand(n, k // group, device=DEV) * 0.01 + 0.001).half()
+        zeros = torch.randint(5, 11, (n, k // group), device=DEV).half()
+        layer.pack(w_q, scales, zeros)
+        layers.append(layer)
+    return bench_graph([partial(layer, x) for layer in layers])
+
+
+def time_tinygemm(x, k, n, group, count) -> float:
+    xb = x.bfloat16()
+    calls = []
+    for _ in range(count):
+        w = torch.randint(0, 16, (n, k), dtype=torch.int32, device=DEV)
+        packed = torch._convert_weight_to_int4pack((w[:, ::2] << 4 | w[:, 1::2]).to(torch.uint8), 8)
+        sz = torch.rand(k // group, n, 2, device=DEV).bfloat16()
+        calls.append(partial(torch._weight_int4pack_mm, xb, packed, group, sz))
+    return bench_graph(calls)
+
+
+def time_fp16(x, k, n) -> float:
+    dense = [torch.randn(n, k, dtype=torch.float16, device=DEV) for _ in range(sets_for(2 * k * n))]
+    return bench_graph([partial(torch.nn.functional.linear, x, w) for w in dense])
+
+
+def time_all(x, weights, k: int, n: int, group: int, peer_sets: int) -> dict:
+    """Microseconds per call of ours, the previous path, the peers and fp16 cuBLAS (None where one fails)."""
+    timers = {
+        "ours": partial(time_ours, x, weights, group),
+        "previous": partial(time_previous, x, weights, group),
+        "gemlite": partial(time_gemlite, x, k, n, group, peer_sets),
+        "tinygemm": partial(time_tinygemm, x, k, n, group, peer_sets),
+        "fp16": partial(time_fp16, x, k, n),
+    }
+    times = {}
+    for name, timer in timers.items():
+        try:
+            times[f"{name}_us"] = round(timer() * 1e3, 2)
+        except Exception:  # noqa: BLE001 (a peer that fails to run is reported, the rest go on)
+            traceback.print_exc()
+            times[f"{name}_us"] = None
+    return times
+
+
+def sweep_plans(k: int, n: int, group: int, sms: int):
+    for block_n, block_k, per_sm, warps in itertools.product((64, 128, 256), (64, 128, 256), (2, 4, 8), (4, 8)):
+        if block_k > k or k % block_k or n % block_n:
+            continue
+        steps = k // block_k
+        split = max(1, min(steps, -(-per_sm * sms // -(-n // block_n)), 64))
+        yield GemvPlan(block_n, block_k, split, warps)
+
+
+def time_fusions() -> None:
+    """Microseconds of each fused variant on the Llama-2-7B layer shapes (where a fused decode layer's time goes)."""
+    hidden, heads, head_dim = 4096, 32, 128
+    cos_sin = torch.rand(4096, head_dim, device=DEV)
+    k_cache = torch.zeros(64, 16, heads, head_dim, dtype=torch.float16, device=DEV)
+    v_cache = torch.zeros_like(k_cache)
+    rope = {"positions": torch.tensor([7], device=DEV), "slot_mapping": torch.tensor([100], device=DEV),
+            "cos_sin_cache": cos_sin, "k_cache": k_cache, "v_cache": v_cache, "q_size": hidden, "kv_size": hidden,
+            "head_dim": head_dim}
+    norm = torch.rand(hidden, dtype=torch.float16, device=DEV) + 0.5
+    residual = torch.randn(1, hidden, dtype=torch.float16, device=DEV)
+    cases = {
+        "qkv 4096x12288": (4096, 12288, {"": {}, "norm": {"norm_weight": norm}, "rope": {"rope": rope},
+                                          "norm+rope": {"norm_weight": norm, "rope": rope}}),
+        "gate/up 4096x22016": (4096, 22016, {"": {}, "norm": {"norm_weight": norm}, "silu": {"silu": True},
+                                              "norm+silu": {"norm_weight": norm, "silu": True}}),
+        "o 4096x4096": (4096, 4096, {"": {}, "residual": {"residual": residual}}),
+    }
+    for label, (k, n, variants) in cases.items():
+        weights = [random_weight(k, n, 128) for _ in range(sets_for(weight_bytes(k, n, 128)))]
+        x = torch.randn(1, k, dtype=torch.float16, device=DEV)
+        times = {}
+        sms = num_sms(torch.device(DEV))
+        for name, fused in variants.items():
+            for per_sm in (2, 3, 4):
+                plan = gemv_plan(n, k, 128, sms, head_dim if "rope" in fused else None, programs_per_sm=per_sm)
+                calls = [partial(w4a16_gemv, x, *w, 128, plan=plan, **fused) for w in weights]
+                times[f"{name or 'plain'} {per_sm}/SM"] = round(bench_graph(calls) * 1e3, 2)
+        print(json.dumps({"fusions": label, **times}), flush=True)
+    from kernels.triton.w4a16_gemv import _gemv_kernel
+
+    try:  # registers and spills of each compiled variant (Triton's cache layout differs between versions)
+        for key, kernel in _gemv_kernel.device_caches[torch.cuda.current_device()][0].items():
+            print("regs", kernel.n_regs, "spills", kernel.n_spills, str(key)[-60:])
+    except Exception as exc:  # noqa: BLE001
+        print("no register report:", exc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/kernels_gemv.json")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--only", default="", help="substring of the shape names to run")
+    parser.add_argument("--fusions", action="store_true", help="only time the fused variants on 7B shapes")
+    args = parser.parse_args()
+    if args.fusions:
+        time_fusions()
+        return
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    sms = num_sms(torch.device(DEV))
+    print(f"card {torch.cuda.get_device_name()}  copy bandwidth {copy_bw:.0f} GB/s  SMs {sms}", flush=True)
+    rows, sweeps = [], {}
+    for label, (k, n, group) in SHAPES.items():
+        if args.only and args.only not in label:
+            continue
+        count = sets_for(weight_bytes(k, n, group))
+        weights = [random_weight(k, n, group) for _ in range(count)]
+        x = torch.randn(1, k, dtype=torch.float16, device=DEV)
+        nbytes = weight_bytes(k, n, group)
+        row = {"shape": label, "plan": str(gemv_plan(n, k, group, sms))}
+        row.update(time_all(x, weights, k, n, group, min(count, 16)))
+        if row["ours_us"] is None:
+            continue
+        row["ours_x_copy_bw"] = round(nbytes / (row["ours_us"] * 1e-6) / 1e9 / copy_bw, 3)
+        for peer in ("previous", "gemlite", "tinygemm", "fp16"):
+            if row.get(f"{peer}_us"):
+                row[f"x_{peer}"] = round(row[f"{peer}_us"] / row["ours_us"], 3)
+        if args.sweep:
+            timed = []
+            for plan in sweep_plans(k, n, group, sms):
+                try:
+                    timed.append((time_ours(x, weights, group, plan) * 1e3, plan))
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  {plan}: {exc}")
+            timed.sort(key=lambda t: t[0])
+            sweeps[label] = [{"us": round(t, 2), "plan": str(p)} for t, p in timed[:8]]
+            best = timed[0]
+            row["sweep_best_us"], row["sweep_best_plan"] = round(best[0], 2), str(best[1])
+            row["sweep_best_x_copy_bw"] = round(nbytes / (best[0] * 1e-6) / 1e9 / copy_bw, 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    results = []
+    for row in rows:
+        target = TARGETS.get(row["shape"])
+        if target is None:
+            continue
+        bw, x_gemlite, x_tiny = target
+        results.append({"name": f"w4a16 M=1 {row['shape']}: fraction of copy BW", "value": row["ours_x_copy_bw"],
+                        "target": f">= {bw}", "pass": row["ours_x_copy_bw"] >= bw})
+        for peer, want in (("gemlite", x_gemlite), ("tinygemm", x_tiny)):
+            value = row.get(f"x_{peer}")
+            results.append({"name": f"w4a16 M=1 {row['shape']}: speed vs {peer}", "value": value,
+                            "target": f">= {want}", "pass": value is not None and value >= want})
+    doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
+           "results": results, "shapes": rows, "sweep": sweeps}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    for r in results:
+        print(f"{r['name']:<70} {r['value']} {r['target']} {r['pass']}")
+
+
+if __name__ == "__main__":
+    main()

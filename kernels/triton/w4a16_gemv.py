@@ -1,0 +1,437 @@
+"""W4A16 GEMV at M = 1 on CUDA cores, with the decode layer's neighbours fused into its prologue and epilogue.
+
+Why: a single-stream decode step is one row of x against every weight of the model, so the matmul is bound by
+how fast the packed weights stream from HBM, and a small model by launches (~1.3 us each inside a graph on
+Hopper). The tensor-core paths (w4a16_planes.py) pad M = 1 to 16 rows and pass the packed tile through shared
+memory; here each thread keeps its 16-byte loads of packed words in registers and does the whole dot product
+in packed half2 arithmetic:
+
+- word -> 4 half2 registers of ``1024 + code`` (one shift and one LOP3 each: the nibble ORed into the mantissa
+  of 1024), minus the column's ``1024 + zero`` (exact, small integers), times the x pairs (x[8r + j],
+  x[8r + j + 4]) in fp16 FMAs: 8 weights in ~16 instructions, one fp32 partial per word, scaled per group in
+  fp32. Zero points must be integers (every AWQ/GPTQ checkpoint's are; ``PackedInt4.zeros_are_integers``).
+- Split-K sized from the SM count; each program stores its fp32 partial and takes a ticket, and the last one to
+  arrive for a column tile sums the partials and runs the epilogue (no second kernel, no memset: the ticket
+  counters live on the weight and are left at multiples of LOCK_PERIOD, so the launch is CUDA-graph safe).
+- Prologue ``NORM``: RMSNorm of the residual stream computed by every program (the row is a few KB, read from
+  L2), so the norm is not a launch of its own.
+- Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down), ``SILU``
+  (gate and up tiles share one counter; the last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the
+  q and k columns, k and v written to their KV-cache slot, q stored; a tile holds whole heads, so each rotary
+  partner column's partial is summed by the same program).
+
+Rounding follows kernels/reference.py: outputs of the matmul round to fp16 before the epilogue's arithmetic, as
+the unfused ops would see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # programmatic dependent launch (Triton >= 3.3)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover (older Triton: launched without PDL)
+    _HAS_GDC = False
+
+from kernels.triton.common import cdiv, interpreting, next_pow2, num_sms
+from kernels.triton.w4a16_planes import LOCK_PERIOD, lock_buffer
+
+STORE: tl.constexpr = tl.constexpr(0)  # epilogues
+RESIDUAL: tl.constexpr = tl.constexpr(1)
+SILU: tl.constexpr = tl.constexpr(2)
+ROPE: tl.constexpr = tl.constexpr(3)
+
+
+@triton.jit
+def _word_dot(qw, x04, x15, x26, x37, zz, USE_ASM: tl.constexpr):
+    """sum_j x[8r + j] * (code_j - zero) of each packed word, in fp32.
+
+    qw: packed words [R, BN] int32; x04 .. x37: half2 pairs (x[8r + j] low, x[8r + j + 4] high) as int32 [R, 1];
+    zz: half2 (1024 + zero, 1024 + zero) as int32 [1, BN]."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a, b, c, d, t, acc;
+            .reg .b16 lo, hi;
+            .reg .f32 flo, fhi;
+            lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 t, $1, 4;
+            lop3.b32 b, t, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 t, $1, 8;
+            lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 t, $1, 12;
+            lop3.b32 d, t, 0x000F000F, 0x64006400, 0xEA;
+            sub.f16x2 a, a, $6;
+            sub.f16x2 b, b, $6;
+            sub.f16x2 c, c, $6;
+            sub.f16x2 d, d, $6;
+            mul.rn.f16x2 acc, a, $2;
+            fma.rn.f16x2 acc, b, $3, acc;
+            fma.rn.f16x2 acc, c, $4, acc;
+            fma.rn.f16x2 acc, d, $5, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 flo, lo;
+            cvt.f32.f16 fhi, hi;
+            add.f32 $0, flo, fhi;
+            }""",
+            constraints="=r,r,r,r,r,r,r",
+            args=[qw, x04, x15, x26, x37, zz],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:  # the interpreter has no inline asm: the same sum in fp32
+        z = (zz & 0xF).to(tl.float32)
+        total = tl.zeros(qw.shape, tl.float32)
+        for j in tl.static_range(4):
+            if j == 0:
+                pair = x04
+            elif j == 1:
+                pair = x15
+            elif j == 2:
+                pair = x26
+            else:
+                pair = x37
+            x_lo = _half_to_f32(pair & 0xFFFF)
+            x_hi = _half_to_f32((pair >> 16) & 0xFFFF)
+            c_lo = ((qw >> (4 * j)) & 0xF).to(tl.float32)
+            c_hi = ((qw >> (4 * j + 16)) & 0xF).to(tl.float32)
+            total += x_lo * (c_lo - z) + x_hi * (c_hi - z)
+        return total
+
+
+@triton.jit
+def _half_to_f32(bits):
+    # int32 holding fp16 bits in its low half -> fp32
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _half_bits(x):
+    # fp16 -> its 16 bits in the low half of an int32
+    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
+    # 1 / sqrt(mean(x^2) + eps) over the row x [K] in fp32, BLOCK >= K: unrolled chunks of 1024, so the loads are
+    # in flight together (one memory latency) while only a chunk's worth of registers is live at a time
+    CHUNK: tl.constexpr = 1024 if BLOCK > 1024 else BLOCK
+    acc = tl.zeros([CHUNK], tl.float32)
+    for c in tl.static_range(BLOCK // CHUNK):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        v = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        acc += v * v
+    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
+def _x_column(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM: tl.constexpr, HAS_PERM: tl.constexpr):
+    # x[cols] in fp16 [R]; with NORM, weight * fp16(x * inv_rms) as reference.rms_norm rounds it
+    if HAS_PERM:
+        src = tl.load(perm_ptr + cols)
+    else:
+        src = cols
+    x = tl.load(x_ptr + src)
+    if NORM:
+        normed = (x.to(tl.float32) * inv_rms).to(tl.float16)
+        x = tl.load(norm_ptr + src) * normed
+    return x
+
+
+@triton.jit
+def _x_pair(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM: tl.constexpr, HAS_PERM: tl.constexpr):
+    # half2 (x[cols], x[cols + 4]) as int32 [R]
+    lo = _x_column(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM, HAS_PERM)
+    hi = _x_column(x_ptr, norm_ptr, perm_ptr, cols + 4, inv_rms, NORM, HAS_PERM)
+    return _half_bits(lo) | (_half_bits(hi) << 16)
+
+
+@triton.jit
+def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr):
+    # sum over splits of the fp32 partials [splits, N] at cols -> fp16-rounded fp32 [BN]; all partials are loaded
+    # at once (SPLITS >= splits): a loop over splits put one L2 round trip per split on the critical path
+    sk = tl.arange(0, SPLITS)
+    tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
+                   other=0.0, cache_modifier=".cg")  # [SPLITS, BN]
+    return tl.sum(tile, axis=0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                   v_cache_ptr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   SPLITS: tl.constexpr):
+    # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = rn % HEAD_DIM
+    first = d < HALF
+    partner = tl.where(first, rn + HALF, rn - HALF)
+    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
+    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d % HALF)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d % HALF)
+    rotated = tl.where(first, t * cos - tp * sin, t * cos + tp * sin)
+    is_q = rn < Q_SIZE
+    is_v = rn >= Q_SIZE + KV_SIZE
+    tl.store(out_ptr + rn, rotated.to(tl.float16), mask=n_mask & is_q)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    live = n_mask & ((slot + rn * 0) >= 0)  # a tensor mask: the interpreter mistypes scalar-bool & tensor
+    k_col = rn - Q_SIZE
+    v_col = rn - Q_SIZE - KV_SIZE
+    tl.store(k_cache_ptr + slot * KV_SIZE + k_col, rotated.to(tl.float16), mask=live & ~is_q & ~is_v)
+    tl.store(v_cache_ptr + slot * KV_SIZE + v_col, t.to(tl.float16), mask=live & is_v)
+
+
+@triton.jit
+def _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0, k_end, rr, rn, n_mask, N, GROUP: tl.constexpr,
+                 ROW_GROUPS: tl.constexpr):
+    # the packed words [R, BN] of the K step at k0, its scales (fp32) and half2 (1024 + zero) pairs (int32),
+    # [R, BN] when the step spans several groups, else [1, BN]; zeros past k_end
+    rows = k0 // 8 + rr  # [R] packed rows
+    live = (rows * 8 < k_end)[:, None] & n_mask[None, :]
+    qw = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * N + rn[None, :], mask=live, other=0,
+                 eviction_policy="evict_first")
+    if ROW_GROUPS:
+        g = (rows * 8 // GROUP)[:, None] * N + rn[None, :]  # [R, BN]
+        s = tl.load(scales_ptr + g, mask=live, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g, mask=live, other=0.0).to(tl.int32) | 0x6400
+    else:
+        live_n = n_mask & ((k0 + rn * 0) < k_end)  # (a tensor mask: the interpreter mistypes scalar-bool & tensor)
+        g = k0 // GROUP
+        s = tl.load(scales_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
+        z = (tl.load(zeros_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.int32) | 0x6400)[None, :]
+    return qw, s, z | (z << 16)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    perm_ptr,
+    out_ptr,
+    part_ptr,
+    lock_ptr,
+    norm_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    N,
+    K,
+    k_per_split,
+    splits,
+    lock_rest,
+    eps,
+    GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):
+    # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    R: tl.constexpr = BLOCK_K // 8  # packed rows per K step
+    ROW_GROUPS: tl.constexpr = BLOCK_K > GROUP  # a K step spans several groups: scales per packed row
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rr = tl.arange(0, R)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
+    # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch
+    qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k_start, k_end, rr, rn, n_mask, N, GROUP, ROW_GROUPS)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, K, eps, NORM_BLOCK)
+    acc = tl.zeros([R, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        # the next step's weights are in flight while this step computes (masked past the split's end)
+        qw_next, s_next, zz_next = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end, rr, rn, n_mask,
+                                                N, GROUP, ROW_GROUPS)
+        cols = k0 + rr * 8
+        x04 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM, HAS_PERM)
+        x15 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols + 1, inv_rms, NORM, HAS_PERM)
+        x26 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols + 2, inv_rms, NORM, HAS_PERM)
+        x37 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols + 3, inv_rms, NORM, HAS_PERM)
+        acc += _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, USE_ASM) * s
+        qw, s, zz = qw_next, s_next, zz_next
+    y = tl.sum(acc, axis=0)  # [BLOCK_N]
+    tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
+    tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
+    num_tiles = tl.num_programs(0)
+    if EPILOGUE == SILU:
+        counter = pid_n % (num_tiles // 2)  # gate tile c and up tile c + tiles / 2 share one counter
+        arrivals = 2 * splits
+    else:
+        counter = pid_n
+        arrivals = splits
+    # counters start each call at a multiple of LOCK_PERIOD (> any arrival count), so the ticket's remainder
+    # is the order of arrival; the last program rounds its counter up to the next multiple
+    ticket = tl.atomic_add(lock_ptr + counter, 1, sem="acq_rel", scope="gpu")
+    if (ticket & (LOCK_PERIOD - 1)) == arrivals - 1:
+        if EPILOGUE == SILU:
+            inter = N // 2
+            gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
+            live = gate_cols < inter
+            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS)
+            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS)
+            act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
+            tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
+        elif EPILOGUE == ROPE:
+            _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                           v_cache_ptr, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS)
+        else:
+            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
+            if EPILOGUE == RESIDUAL:
+                total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
+        tl.atomic_add(lock_ptr + counter, lock_rest, sem="relaxed", scope="gpu")  # LOCK_PERIOD - arrivals
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """Tile and split-K of one GEMV launch."""
+
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+
+
+def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None,
+              programs_per_sm: int = 4) -> GemvPlan:
+    """Column tile, K step and split-K: about ``programs_per_sm`` programs per SM, each with a few K steps, so
+    enough 16-byte weight loads are in flight to cover HBM latency without lengthening the last program's sum.
+    A ROPE launch needs tiles of whole heads."""
+    if interpreting():
+        return GemvPlan(max(16, head_dim or 16), 32, max(1, min(2, k // 32)), 1)
+    block_n = max(128, head_dim or 1)  # 256 columns took 168 registers a thread: 3 programs per SM, not 4
+    block_k = _k_step(k, 128)
+    tiles = cdiv(n, block_n)
+    steps = k // block_k
+    split = max(1, min(steps // 2, cdiv(programs_per_sm * sms, tiles), 64))
+    return GemvPlan(block_n, block_k, split, 4)
+
+
+def _k_step(k: int, largest: int) -> int:
+    """The largest power of two <= ``largest`` (and >= 32) dividing K: the K loop needs no row mask, and a step
+    either lies inside one group or covers whole groups (group sizes are powers of two or K itself)."""
+    step = largest
+    while k % step:
+        step //= 2
+    return step
+
+
+def _split_k(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(k_per_split, splits) with each split a whole number of K steps."""
+    steps = k // block_k
+    per = cdiv(steps, max(1, min(split, steps))) * block_k
+    return per, cdiv(k, per)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper or newer (and a real GPU, not the interpreter)."""
+    return (_HAS_GDC and device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
+    """fp16 activations (the half2 dot), one row, K steps of 32 rows inside the group structure."""
+    return x.dtype == torch.float16 and x.shape[0] == 1 and group_size % 32 == 0 and k % 32 == 0
+
+
+def w4a16_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    silu: bool = False,
+    rope: dict | None = None,
+    plan: GemvPlan | None = None,
+) -> torch.Tensor:
+    """y = x @ W for one row, with optional fused neighbours.
+
+    x [1, K] fp16; qweight [K // 8, N] int32; scales, zeros [K // G, N] fp16 (integer zeros); perm [K] | None.
+    norm_weight [K]: x is first RMS-normalised (reference.rms_norm(x, norm_weight, eps)[0]).
+    residual [1, N]: returns residual += y (in place). silu: W holds gate then up columns: returns
+    silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
+    k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim): W is qkv; writes rotary k and v
+    to the slot and returns rotary q [1, q_size].
+    """
+    k = x.shape[1]
+    n = qweight.shape[1]
+    if qweight.shape[0] * 8 != k or scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+        raise ValueError(f"w4a16_gemv: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
+                         f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group_size} disagree")
+    if not gemv_supported(x, k, group_size):
+        raise ValueError(f"w4a16_gemv: needs one fp16 row and K, group multiples of 32 (x {tuple(x.shape)}, "
+                         f"{x.dtype}, group {group_size})")
+    x = x.contiguous()
+    head_dim = rope["head_dim"] if rope is not None else None
+    plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim)
+    block_k = _k_step(k, plan.block_k)
+    if block_k % group_size and group_size % block_k:
+        raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
+    k_per_split, splits = _split_k(k, block_k, plan.split)
+    tiles = cdiv(n, plan.block_n)
+    if plan.block_n & (plan.block_n - 1):
+        raise ValueError(f"w4a16_gemv: column tile {plan.block_n} is not a power of two")
+    epilogue, out, extra = STORE.value, None, {}
+    if residual is not None:
+        epilogue, out = RESIDUAL.value, residual
+    elif silu:
+        if n % (2 * plan.block_n):
+            raise ValueError(f"w4a16_gemv: silu needs gate and up widths ({n // 2}) in whole {plan.block_n}-tiles")
+        epilogue, out = SILU.value, torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
+    elif rope is not None:
+        if plan.block_n % head_dim or head_dim & (head_dim - 1):
+            raise ValueError(f"w4a16_gemv: rope tiles ({plan.block_n}) must hold whole heads ({head_dim})")
+        epilogue, out = ROPE.value, torch.empty((1, rope["q_size"]), dtype=x.dtype, device=x.device)
+        extra = rope
+    else:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    pdl = pdl_supported(x.device)
+    lock = lock_buffer(qweight, tiles, reuse=True)
+    dummy = qweight
+    _gemv_kernel[(tiles, splits)](
+        x, qweight, scales, zeros, perm if perm is not None else dummy, out, part, lock,
+        norm_weight if norm_weight is not None else dummy,
+        extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
+        extra.get("k_cache", dummy), extra.get("v_cache", dummy),
+        n, k, k_per_split, splits, LOCK_PERIOD.value - splits * (2 if epilogue == SILU.value else 1), float(eps),
+        GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
+        USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
+        HEAD_DIM=head_dim or 1, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
+        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, num_warps=plan.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return out
