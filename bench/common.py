@@ -148,6 +148,8 @@ def add_common_args(parser: argparse.ArgumentParser, bench: str) -> None:
                         help="run every part in this process (default: each in a fresh one, see run_isolated)")
     engine = parser.add_argument_group("engine flags (as app.py serve)")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--no-fused-decode", dest="fused_decode", action="store_false", default=None,
+                        help="one-sequence decode through the unfused layer (for comparison)")
     engine.add_argument("--gpu-memory-limit", default=None, help="absolute GPU budget, e.g. 24GiB")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
@@ -167,6 +169,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
         value = getattr(args, name, None)
         if value is not None and value is not False:
             kwargs[name] = value
+    if getattr(args, "fused_decode", None) is False:
+        kwargs["fused_decode"] = False
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return kwargs
 

@@ -143,9 +143,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--gpu-memory-limit", default="40GiB")
     parser.add_argument("--kernels", action="store_true", help="per-kernel device-time tables at batch 1")
+    parser.add_argument("--no-fused-decode", action="store_true", help="one-sequence decode through the unfused layer")
     args = parser.parse_args()
     llm = LLM(args.model, dtype="float16", device="cuda", gpu_memory_limit=args.gpu_memory_limit,
-              max_num_seqs=max(args.batch))
+              max_num_seqs=max(args.batch), fused_decode=not args.no_fused_decode)
     runner = llm.engine.runner
     print(f"graphs: {len(runner.graphs.graphs)} shapes, captured in {runner.graphs.capture_seconds:.2f} s,"
           f" pool {runner.cuda_graph_pool_bytes / 2**20:.0f} MiB")

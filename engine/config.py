@@ -71,6 +71,7 @@ class EngineArgs:
     kv_cache_memory: str | None = None  # explicit KV budget (CPU default: 256MiB)
     enforce_eager: bool = False
     force_reference_kernels: bool = False
+    fused_decode: bool = True  # one-sequence decode steps through the fused layer where the model allows it
 
     def with_overrides(self, **kwargs) -> "EngineArgs":
         unknown = set(kwargs) - set(self.__dataclass_fields__)

@@ -7,8 +7,8 @@ Every missing tensor or shape mismatch is an EngineError naming the tensor.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -17,6 +17,7 @@ from engine.config import ModelConfig, read_folder_quantization_config
 from engine.errors import EngineError
 from engine.layers.linear import Linear, Weight
 from engine.layers.rotary import cos_sin_cache
+from engine.models.fused_decode import fused_decode_unsupported
 from engine.models.llama import DecoderLayer, LlamaModel
 from kernels.ops import Backend
 
@@ -95,7 +96,7 @@ class WeightLoader:
 def _load_layer(loader: WeightLoader, cfg: ModelConfig, i: int) -> DecoderLayer:
     p = f"model.layers.{i}"
     h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    norm = lambda name: loader.store.require(f"{p}.{name}.weight", (h,)).to(loader.device, loader.dtype)  # noqa: E731
+    norm = lambda name: loader.store.require(f"{p}.{name}.weight", (h,)).to(loader.device, loader.dtype)
     attn = f"{p}.self_attn"
     return DecoderLayer(
         input_layernorm=norm("input_layernorm"),
@@ -120,8 +121,10 @@ def read_config_dict(model_dir: Path) -> dict:
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backend: Backend,
-               max_positions: int, log: Callable[[str], None] = lambda m: None) -> LlamaModel:
-    """Read config + weights into a LlamaModel on ``device`` in ``dtype`` (activations; int4 stays packed)."""
+               max_positions: int, log: Callable[[str], None] = lambda m: None, fuse_decode: bool = True) -> LlamaModel:
+    """Read config + weights into a LlamaModel on ``device`` in ``dtype`` (activations; int4 stays packed).
+    ``fuse_decode``: one-sequence decode steps use the fused layer when the Triton kernels run and the model
+    allows it (engine/models/fused_decode.py)."""
     raw = read_config_dict(model_dir)
     cfg = ModelConfig.from_dict(raw)
     quant = None
@@ -142,4 +145,9 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
         lm_head = store.require("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)).to(device, dtype)
     norm = store.require("model.norm.weight", (cfg.hidden_size,)).to(device, dtype)
     rope = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
-    return LlamaModel(cfg, backend, embed, layers, norm, lm_head, rope)
+    model = LlamaModel(cfg, backend, embed, layers, norm, lm_head, rope)
+    if backend.use_triton and fuse_decode:  # the reference backend keeps its dense CPU weights for every step
+        reason = fused_decode_unsupported(model)
+        model.fuse_one_row_decode = reason is None
+        log("one-sequence decode: fused layer" if reason is None else f"one-sequence decode: unfused ({reason})")
+    return model

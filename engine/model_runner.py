@@ -67,7 +67,8 @@ class ModelRunner:
         self.args, self.device, self.dtype = args, device, dtype
         self.backend = Backend.for_device(device, force_reference=args.force_reference_kernels)
         started = time.perf_counter()
-        self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len)
+        self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
+                                fuse_decode=args.fused_decode)
         self.load_seconds = time.perf_counter() - started
         self._release_cached_blocks()  # loading's temporaries (checkpoint tensors before the repack)
         self.config: ModelConfig = self.model.config

@@ -14,6 +14,7 @@ import torch
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.layers.linear import Linear
+from engine.models.fused_decode import decode_one_row
 from kernels.ops import Backend
 
 
@@ -37,6 +38,7 @@ class LlamaModel:
     lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
     cos_sin_cache: torch.Tensor  # [max_positions, head_dim] float32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    fuse_one_row_decode: bool = False  # one-sequence decode steps run engine/models/fused_decode.py
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Attach per-layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -69,6 +71,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns logits [num_sampled, vocab] in float32 for the rows in ``batch.logits_indices``."""
+        if self.fuse_one_row_decode and batch.is_decode and batch.input_ids.shape[0] == 1:
+            return decode_one_row(self, batch)
         eps = self.config.rms_norm_eps
         hidden = self.embed_tokens[batch.input_ids]  # [num_tokens, hidden]
         residual = None

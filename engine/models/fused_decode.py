@@ -1,0 +1,78 @@
+"""A one-sequence decode step in five launches per layer (single-stream decoding, issue 15).
+
+One row of activations against every weight is bound by weight bandwidth and, on small models, by launches
+(~1.3 us each inside a CUDA graph). The unfused layer is ten launches (norm, qkv, rotary, cache write,
+attention, o, norm, gate/up, SiLU, down); here the one-row GEMV (kernels/triton/w4a16_gemv.py) takes its
+neighbours: the RMSNorm in its prologue, rotary + the KV-cache write, the residual add or SiLU x up in its
+epilogue. What is left per layer: qkv, attention, o, gate/up, down.
+
+The residual stream is one [1, hidden] tensor that the o and down launches add into in place; the arithmetic
+and its roundings are those of the unfused ops (``reference.w4a16_gemv`` composes them), so the reference
+backend runs this path too and tests compare it with the unfused forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.layers.linear import Linear, PackedInt4
+
+
+def fused_decode_unsupported(model) -> str | None:
+    """Why this model's one-row decode cannot use the fused layer (None when it can). Reads tensors: call at
+    load time, not inside a graph capture."""
+    cfg = model.config
+    if model.embed_tokens.dtype != torch.float16:
+        return "activations are not fp16"
+    if cfg.head_dim & (cfg.head_dim - 1):
+        return f"head_dim {cfg.head_dim} is not a power of two"
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            reason = _linear_unsupported(getattr(layer, name))
+            if reason is not None:
+                return f"{name}: {reason}"
+    return None
+
+
+def _linear_unsupported(linear: Linear) -> str | None:
+    if len(linear.parts) != 1 or not isinstance(linear.parts[0], PackedInt4):
+        return "not one packed int4 weight"
+    if linear.bias is not None:
+        return "has a bias"
+    weight = linear.parts[0]
+    if weight.group_size % 32 or weight.in_features % 32:
+        return f"group size {weight.group_size} / in_features {weight.in_features} not multiples of 32"
+    if not torch.equal(weight.zeros, weight.zeros.round()):
+        return "zero points are not integers"
+    return None
+
+
+def _gemv(model, linear: Linear, x: torch.Tensor, **fused) -> torch.Tensor:
+    weight = linear.parts[0]
+    return model.backend.w4a16_gemv(x, weight.qweight, weight.scales, weight.zeros, weight.group_size, weight.perm,
+                                    **fused)
+
+
+@torch.inference_mode()
+def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
+    """Logits [1, vocab] float32 of a decode step of one sequence (``batch`` has one token)."""
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    scale = cfg.head_dim ** -0.5
+    residual = model.embed_tokens[batch.input_ids]  # [1, hidden], updated in place by o and down
+    for index, layer in enumerate(model.layers):
+        k_cache, v_cache = model.kv_caches[index]
+        rope = {"positions": batch.positions, "slot_mapping": batch.slot_mapping, "cos_sin_cache": model.cos_sin_cache,
+                "k_cache": k_cache, "v_cache": v_cache, "q_size": q_size, "kv_size": kv_size,
+                "head_dim": cfg.head_dim}
+        q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, rope=rope)  # [1, q]
+        attn = model.backend.paged_decode_attention(q.view(1, cfg.num_heads, cfg.head_dim), k_cache, v_cache,
+                                                    batch.block_tables, batch.context_lens, scale)
+        _gemv(model, layer.o_proj, attn.reshape(1, q_size), residual=residual)
+        act = _gemv(model, layer.gate_up_proj, residual, norm_weight=layer.post_attention_layernorm, eps=eps,
+                    silu=True)  # [1, intermediate]
+        _gemv(model, layer.down_proj, act, residual=residual)
+    hidden, _ = model.backend.rms_norm(residual, model.norm, eps)
+    return torch.nn.functional.linear(hidden, model.lm_head).float()
