@@ -231,12 +231,12 @@ class LLMEngine:
             for req, logprobs in zip(to_sample, sampled.logprobs):
                 if logprobs is not None:
                     req.output_logprobs.append(logprobs)
-        for req in self.scheduler.update_after_step(plan, token_map):
-            if req.parent_id in self.groups:
-                self.counters.generation_tokens += 1
-                self._apply_token_stops(req)
-                self._apply_grammar_stop(req)
-                self._text_pending.append((req, req.output_token_ids[-1]))
+        updated = [req for req in self.scheduler.update_after_step(plan, token_map) if req.parent_id in self.groups]
+        for req in updated:
+            self.counters.generation_tokens += 1
+            self._apply_token_stops(req)
+        self._apply_grammar_stops(updated)
+        self._text_pending += [(req, req.output_token_ids[-1]) for req in updated]
         for req in plan.finished:  # the scheduler ended these itself (grew past what the KV cache can hold)
             if req.parent_id in self.groups:
                 self._text_pending.append((req, None))
@@ -280,13 +280,15 @@ class LLMEngine:
             req.stop_reason = reason
             self.scheduler.finish_request(req.request_id, status)
 
-    def _apply_grammar_stop(self, req: Request) -> None:
-        """Advance the sample's grammar by its new token; a complete grammar ends the request (before
-        min_tokens: nothing but EOS could follow), unless it ignores EOS: then EOS is all it can still sample."""
-        if req.is_finished:
+    def _apply_grammar_stops(self, requests: list[Request]) -> None:
+        """Advance each sample's grammar by its new token (all at once); a complete grammar ends its request
+        (before min_tokens: nothing but EOS could follow), unless it ignores EOS: then EOS is all it can still
+        sample."""
+        if not self.structured.num_requests:
             return
-        if self.structured.accept(req, req.output_token_ids[-1]) and not req.sampling_params.ignore_eos:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        for req in self.structured.accept_all([req for req in requests if not req.is_finished]):
+            if not req.sampling_params.ignore_eos:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _apply_text_stops(self, group: RequestGroup, req: Request, token: int | None) -> None:
         """Feed the token to the request's detokenizer; a completed stop string ends the request (or, when

@@ -66,6 +66,7 @@ class Sampler:
         self._device_generators: dict[str, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
         self._history = TokenHistory()
+        self._mask_uploader = TokenMaskUploader()
 
     def free(self, request_id: str) -> None:
         """Forget a finished request's generator and token history. Not on preemption: the stream continues."""
@@ -89,7 +90,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} must be [num_seqs={len(requests)}, vocab]")
         logits = logits.float()  # [num_seqs, vocab]
-        allowed = logits if token_masks is None else apply_token_masks(logits, token_masks)
+        allowed = logits if token_masks is None else apply_token_masks(logits, token_masks, self._mask_uploader)
         processed = apply_logits_processors(allowed, requests, self._history)  # [num_seqs, vocab]
         token_ids = processed.argmax(dim=-1)  # [num_seqs] greedy choice; ties -> lowest id
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
@@ -149,23 +150,64 @@ class Sampler:
         return generator
 
 
-def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, uploader: "TokenMaskUploader | None" = None
+                      ) -> torch.Tensor:
     """A copy of ``logits`` with the tokens a row's grammar forbids at -inf (rows without a mask untouched).
 
     The packed bitmask ([rows, ceil(vocab / 32)] int32, bit ``i % 32`` of word ``i // 32`` for token ``i``)
     travels to the device as is (32x smaller than a bool mask) and is unpacked there with one shift-and.
     """
-    device, vocab = logits.device, logits.shape[1]
-    packed = torch.from_numpy(masks.bitmask).to(device, non_blocking=True)  # [m, words] int32
-    shifts = torch.arange(32, device=device, dtype=torch.int32)  # [32]
-    bits = ((packed[:, :, None] >> shifts) & 1).view(packed.shape[0], -1)  # [m, words * 32]
-    if bits.shape[1] < vocab:  # the model has more logits than the grammar's vocabulary: those are never allowed
-        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
-    forbidden = bits[:, :vocab] == 0  # [m, vocab]
-    rows = torch.tensor(masks.rows, device=device)
-    out = logits.clone()
-    out[rows] = out[rows].masked_fill(forbidden, _NEG_INF)
-    return out
+    uploader = uploader or TokenMaskUploader()
+    allowed = uploader.allowed_bits(masks, logits.shape[0], logits.shape[1], logits.device)  # [rows, vocab]
+    return logits.masked_fill(allowed == 0, _NEG_INF)
+
+
+class TokenMaskUploader:
+    """Puts a step's grammar bitmasks on the device without stalling the host.
+
+    Every row of the batch gets its packed words (all bits set for an unconstrained row), written into a pinned
+    host buffer kept between steps and copied asynchronously, so the sampler's kernels are queued while the
+    device still computes the forward. A pageable copy (``torch.from_numpy(...).to(device)``) and a per-step
+    row-index tensor each waited for the device to drain first, which put the sampler's launch time on the
+    critical path of every constrained step (BENCHMARKS.md, issue 17).
+    """
+
+    def __init__(self):
+        self._host: torch.Tensor | None = None  # pinned int32 [capacity, words]
+        self._copied: torch.cuda.Event | None = None  # the last upload out of the host buffer
+        self._shifts: dict[str, torch.Tensor] = {}
+
+    def allowed_bits(self, masks: TokenMasks, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """[num_rows, vocab] int32, 1 where the row may sample the token."""
+        words = masks.bitmask.shape[1]
+        host = self._buffer(num_rows, words, device)
+        view = host.numpy()
+        view.fill(-1)
+        view[masks.rows] = masks.bitmask
+        packed = host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()  # [rows, words]
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        bits = ((packed[:, :, None] >> self._shift_table(device)) & 1).view(num_rows, -1)  # [rows, words * 32]
+        if bits.shape[1] < vocab:  # the model has more logits than the grammar's vocabulary: never allowed
+            bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
+        return bits[:, :vocab]
+
+    def _buffer(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's upload has left the buffer (normally long ago)
+        host = self._host
+        if host is None or host.shape[0] < num_rows or host.shape[1] != words:
+            capacity = max(num_rows, 2 * (host.shape[0] if host is not None else 0), 8)
+            host = torch.empty((capacity, words), dtype=torch.int32, pin_memory=device.type == "cuda")
+            self._host = host
+        return host[:num_rows]
+
+    def _shift_table(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._shifts:
+            self._shifts[key] = torch.arange(32, device=device, dtype=torch.int32)
+        return self._shifts[key]
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],

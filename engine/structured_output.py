@@ -223,13 +223,42 @@ class StructuredOutputManager:
             return False
         if constraint.done:
             return True
-        if not constraint.matcher.consume_token(int(token_id)):
+        self._after_consume(request, constraint, constraint.matcher.consume_token(int(token_id)), token_id)
+        return constraint.done
+
+    def accept_all(self, requests: list) -> list:
+        """``accept`` for each request's newest token; returns the requests whose grammar is complete. The
+        matchers that consume run in parallel on llguidance's threads (one call for the whole batch: consuming
+        one by one on the loop thread cost ~15 us a row between a step's result and the next launch)."""
+        complete, live = [], []
+        for request in requests:
+            constraint = self._constraints.get(request.request_id)
+            if constraint is None:
+                continue
+            if constraint.starts_after is not None or constraint.done:
+                if self.accept(request, request.output_token_ids[-1]):
+                    complete.append(request)
+            else:
+                live.append((request, constraint))
+        if len(live) == 1:
+            request, _ = live[0]
+            return complete + ([request] if self.accept(request, request.output_token_ids[-1]) else [])
+        if live:
+            accepted = self._executor_or_new().consume_token_par(
+                [(constraint.matcher, int(request.output_token_ids[-1])) for request, constraint in live])
+            for (request, constraint), ok in zip(live, accepted):
+                self._after_consume(request, constraint, ok, request.output_token_ids[-1])
+                if constraint.done:
+                    complete.append(request)
+        return complete
+
+    def _after_consume(self, request, constraint: _Constraint, ok: bool, token_id: int) -> None:
+        if not ok:
             log.warning("request %s: token %d rejected by its grammar (%s); ending it", request.request_id,
                         token_id, constraint.matcher.get_error())
             constraint.done = True
         elif constraint.matcher.is_stopped():
             constraint.done = True
-        return constraint.done
 
     def _applies(self, request_id: str) -> bool:
         constraint = self._constraints.get(request_id)
