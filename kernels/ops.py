@@ -63,13 +63,14 @@ class Backend:
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping):
         return self._for("reshape_and_cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def paged_attention(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+    def paged_attention(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                        sliding_window=0):
         return self._for("paged_attention").paged_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                                            context_lens, scale)
+                                                            context_lens, scale, sliding_window)
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=0):
         return self._for("paged_decode_attention").paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                                          context_lens, scale)
+                                                                          context_lens, scale, sliding_window)
 
     def w4a16_matmul(self, x, qweight, scales, zeros, group_size, perm=None):
         return self._for("w4a16_matmul").w4a16_matmul(x, qweight, scales, zeros, group_size, perm)

@@ -98,11 +98,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    sliding_window: int = 0) -> torch.Tensor:
     """Causal attention of a ragged batch of query chunks over their paged KV (prefill, chunked prefill, decode).
 
     q: [num_tokens, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32;
     query_start_loc: [num_seqs + 1] int32; context_lens: [num_seqs] int32 (cached prefix + new tokens).
+    ``sliding_window`` W > 0: a query at position p sees keys p - W < k <= p (HF's sliding window, the query
+    itself included); 0: every earlier key.
     Returns [num_tokens, num_heads, head_dim] in q's dtype; softmax in float32.
     """
     out = torch.empty_like(q)
@@ -115,7 +118,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = torch.tensor(decode_rows, device=q.device)
         token_rows = query_start_loc[:-1].long()[rows]
         decoded = paged_decode_attention(q.index_select(0, token_rows), k_cache, v_cache, block_tables[rows],
-                                         context_lens[rows], scale)
+                                         context_lens[rows], scale, sliding_window)
         out.index_copy_(0, token_rows, decoded)  # (index assignment is very slow on CPU)
     for i, ctx in enumerate(lens):
         q_len = q_lens[i]
@@ -126,14 +129,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)[None]
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
-        attn = _sdpa(q_i, k, v, k_pos <= q_pos, scale)  # [1, num_heads, q_len, D]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - sliding_window) if sliding_window > 0 else True)
+        attn = _sdpa(q_i, k, v, visible, scale)  # [1, num_heads, q_len, D]
         out[starts[i]:starts[i + 1]] = attn[0].transpose(0, 1).to(q.dtype)
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence. q: [num_seqs, num_heads, head_dim] -> same shape.
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int = 0) -> torch.Tensor:
+    """One query token per sequence (the last of its context). q: [num_seqs, num_heads, head_dim] -> same shape.
+    ``sliding_window`` as in ``paged_attention``.
 
     Vectorised over the batch (this is the CPU decode path): gather every sequence's blocks into a padded
     [num_seqs, max_ctx, kv_heads, head_dim] view and mask positions past each context length. The query
@@ -152,7 +158,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # k, v: [B, kv_heads, T, D]
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, kv_heads, group, D]
     positions = torch.arange(padded, device=q.device)
-    visible = positions[None, :] < context_lens.to(q.device)[:, None].long()  # [B, T]
+    lens = context_lens.to(q.device)[:, None].long()
+    visible = positions[None, :] < lens  # [B, T]
+    if sliding_window > 0:
+        visible &= positions[None, :] >= lens - sliding_window
     out = _sdpa(qg, k, v, visible[:, None, None, :], scale)  # [B, kv_heads, group, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 

@@ -8,7 +8,8 @@ Shapes:
   reshape_and_cache   key, value [T, KH, D] -> k_cache, v_cache [num_blocks, block_size, KH, D]
                       at slot_mapping [T]
   paged_attention     q [T, H, D]; block_tables [S, max_blocks]; query_start_loc [S + 1]; context_lens [S]
-                      -> [T, H, D]  (ragged causal chunks over cached prefix + themselves)
+                      -> [T, H, D]  (ragged causal chunks over cached prefix + themselves; sliding_window W > 0:
+                      keys within W positions of the query only)
   paged_decode_attention  q [S, H, D]; block_tables [S, max_blocks]; context_lens [S] -> [S, H, D]
   w4a16_matmul        x [M, K]; qweight [K // 8, N] int32; scales, zeros [K // G, N]; perm [K] | None
                       -> [M, N]
@@ -58,9 +59,10 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     return prefill_attention.prefill_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window=sliding_window
     )
 
 
@@ -71,8 +73,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    return decode_attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return decode_attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                             sliding_window=sliding_window)
 
 
 def w4a16_matmul(

@@ -147,6 +147,7 @@ def check_decode_attention(
     head_dim: int,
     block_size: int,
     partition_size: int | None = None,
+    sliding_window: int = 0,
 ) -> None:
     from kernels.triton.decode_attention import decode_attention
 
@@ -156,11 +157,13 @@ def check_decode_attention(
     scale = head_dim**-0.5
     poison(device, q.numel() * q.element_size())
     if partition_size is None:
-        out = _ops().paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+        out = _ops().paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window)
     else:
-        out = decode_attention(q, k_cache, v_cache, table, lens, scale, partition_size=partition_size)
-    exp = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
-    assert_close(out, exp, TOL[dtype]["attention"], f"decode attention (partition {partition_size})")
+        out = decode_attention(q, k_cache, v_cache, table, lens, scale, partition_size=partition_size,
+                               sliding_window=sliding_window)
+    exp = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window)
+    assert_close(out, exp, TOL[dtype]["attention"],
+                 f"decode attention (partition {partition_size}, window {sliding_window})")
 
 
 def check_prefill_attention(
@@ -171,6 +174,7 @@ def check_prefill_attention(
     kv_heads: int,
     head_dim: int,
     block_size: int,
+    sliding_window: int = 0,
 ) -> None:
     """chunks: (cached prefix length, new query tokens) per sequence."""
     context_lens = [p + n for p, n in chunks]
@@ -183,9 +187,9 @@ def check_prefill_attention(
     q = torch.randn(starts[-1], heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
     poison(device, q.numel() * q.element_size())
-    out = _ops().paged_attention(q, k_cache, v_cache, table, qsl, lens, scale)
-    exp = ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, scale)
-    assert_close(out, exp, TOL[dtype]["attention"], f"paged attention {chunks}")
+    out = _ops().paged_attention(q, k_cache, v_cache, table, qsl, lens, scale, sliding_window)
+    exp = ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, scale, sliding_window)
+    assert_close(out, exp, TOL[dtype]["attention"], f"paged attention {chunks} window {sliding_window}")
 
 
 def random_int4(device: str, dtype: torch.dtype, k: int, n: int, group_size: int):
@@ -350,6 +354,18 @@ def test_reshape_and_cache(block_size):
 @pytest.mark.parametrize("block_size,partition", [(16, None), (16, 32), (32, 64)])
 def test_decode_attention(dtype, heads, kv_heads, block_size, partition):
     check_decode_attention("cpu", dtype, [1, 37, 100], heads, kv_heads, 32, block_size, partition)
+
+
+@pytest.mark.parametrize("window,partition", [(1, None), (20, None), (37, 32), (64, 32)])
+def test_decode_attention_sliding_window(window, partition):
+    # windows shorter than, equal to and longer than some contexts, across partition edges
+    check_decode_attention("cpu", torch.float16, [1, 37, 100], 4, 2, 32, 16, partition, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_prefill_attention_sliding_window(window):
+    # fresh prefill past the window, a chunk after a cached prefix longer than the window, a single token
+    check_prefill_attention("cpu", torch.float16, [(0, 45), (50, 21), (40, 1)], 4, 2, 32, 16, sliding_window=window)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

@@ -198,3 +198,16 @@ def test_gpu_w4a16_gemv_fusions(fusion, k, n, group_size):
 @pytest.mark.parametrize("k,n,head_dim,group_size", [(4096, 8192, 128, 128), (576, 1024, 64, 32)])
 def test_gpu_w4a16_gemv_rope_and_cache(k, n, head_dim, group_size):
     _cases().check_w4a16_gemv("cuda", k, n, group_size, False, "rope", head_dim=head_dim)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [1, 100, 4096])
+def test_gpu_attention_sliding_window(window):
+    # Mistral's 4,096-token window (and small ones) on contexts shorter and longer than it, split-KV decode included
+    gen = torch.Generator().manual_seed(window)
+    lens = [1, 17, 4096, 4097, 9000] + torch.randint(1, 9001, (11,), generator=gen).tolist()
+    _cases().check_decode_attention("cuda", torch.float16, lens, 32, 8, 128, 16, sliding_window=window)
+    _cases().check_decode_attention("cuda", torch.float16, [20000], 32, 8, 128, 16, sliding_window=window)
+    chunks = [(0, 5000), (4500, 300), (37, 1), (8000, 17), (2048, 2048)]
+    _cases().check_prefill_attention("cuda", torch.float16, chunks, 32, 8, 128, 16, sliding_window=window)

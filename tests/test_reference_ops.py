@@ -9,8 +9,9 @@ import torch
 from kernels import reference as R
 
 
-def dense_causal_attention(q, k, v, scale):
-    """q: [q_len, H, D] as the last q_len of ctx positions; k, v: [ctx, H_kv, D]. Plain float64 formula."""
+def dense_causal_attention(q, k, v, scale, window=0):
+    """q: [q_len, H, D] as the last q_len of ctx positions; k, v: [ctx, H_kv, D]. Plain float64 formula;
+    ``window`` W > 0: the query at pos sees keys pos - W + 1 .. pos (HF's sliding window)."""
     q_len, heads, _ = q.shape
     ctx, kv_heads, _ = k.shape
     k = k.double().repeat_interleave(heads // kv_heads, dim=1)
@@ -19,9 +20,10 @@ def dense_causal_attention(q, k, v, scale):
     for t in range(q_len):
         pos = ctx - q_len + t
         for h in range(heads):
-            scores = (k[: pos + 1, h] @ q[t, h].double()) * scale
+            lo = max(0, pos - window + 1) if window > 0 else 0
+            scores = (k[lo: pos + 1, h] @ q[t, h].double()) * scale
             weights = torch.softmax(scores, dim=0)
-            out[t, h] = weights @ v[: pos + 1, h]
+            out[t, h] = weights @ v[lo: pos + 1, h]
     return out
 
 
@@ -69,3 +71,18 @@ def test_int4_pack_roundtrip_and_matmul():
     w = (codes.float() - zeros.repeat_interleave(32, 0)) * scales.repeat_interleave(32, 0)
     x = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(R.w4a16_matmul(x, R.pack_int4(codes), scales, zeros, 32), x @ w)
+
+
+def test_paged_attention_sliding_window_matches_dense_formula():
+    gen = torch.Generator().manual_seed(2)
+    q_lens, ctx_lens = [12, 1, 4, 1, 1], [12, 9, 14, 3, 22]  # windows shorter and longer than the contexts
+    q, kc, vc, tables, starts, ctx = random_paged_batch(gen, q_lens, ctx_lens)
+    for window in (1, 4, 10):
+        out = R.paged_attention(q, kc, vc, tables, starts, ctx, scale=0.25, sliding_window=window)
+        for i, (q_len, c) in enumerate(zip(q_lens, ctx_lens)):
+            k = R.gather_kv(kc, tables[i], c)
+            v = R.gather_kv(vc, tables[i], c)
+            expected = dense_causal_attention(q[starts[i]:starts[i + 1]], k, v, 0.25, window)
+            torch.testing.assert_close(out[starts[i]:starts[i + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+    full = R.paged_attention(q, kc, vc, tables, starts, ctx, scale=0.25)
+    assert not torch.allclose(full, R.paged_attention(q, kc, vc, tables, starts, ctx, 0.25, sliding_window=4))

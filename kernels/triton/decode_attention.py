@@ -17,6 +17,7 @@ import triton.language as tl
 from kernels.triton.common import cdiv, interpreting, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 2**30  # the window bound of full attention: past any context length
 
 
 @triton.jit
@@ -31,6 +32,7 @@ def _decode_kernel(
     part_ml,
     qk_scale,
     partition_size,
+    window,
     stride_qs,
     stride_qh,
     stride_kb,
@@ -57,8 +59,10 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
     ctx = tl.load(context_lens + seq)
-    start = split * partition_size
-    end = tl.minimum(start + partition_size, ctx)
+    # keys [ctx - window, ctx) are visible (window: the sliding window, or a bound past any context); a
+    # partition wholly before them reads nothing
+    start = tl.maximum(split * partition_size, ctx - window)
+    end = tl.minimum(split * partition_size + partition_size, ctx)
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this KV head
@@ -186,9 +190,11 @@ def decode_attention(
     scale: float,
     partition_size: int | None = None,
     config: dict | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     # q: [num_seqs, H, D]; k_cache/v_cache: [num_blocks, block_size, KH, D]
     # block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] -> out [num_seqs, H, D]
+    # sliding_window W > 0: only the last W keys are visible
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
@@ -232,6 +238,7 @@ def decode_attention(
         part_ml,
         scale * LOG2E,
         partition_size,
+        sliding_window if sliding_window > 0 else NO_WINDOW,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -17,6 +17,7 @@ import triton.language as tl
 from kernels.triton.common import cdiv, interpreting, next_pow2
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 2**30  # the window bound of full attention: past any context length
 
 
 @triton.jit
@@ -37,13 +38,15 @@ def _attn_tile(
     stride_vb,
     stride_vt,
     s_scale,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    # keys [k_lo, k_hi); unmasked tiles (MASKED False) are whole BLOCK_N tiles every query row may see
+    # keys [k_lo, k_hi); unmasked tiles (MASKED False) are whole BLOCK_N tiles every query row may see;
+    # masked ones apply causality and the sliding window (a key at t is visible to q_pos - window < t <= q_pos)
     for t0 in range(k_lo, k_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         offs = t % BLOCK_SIZE
@@ -79,7 +82,8 @@ def _attn_tile(
                 )
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32 q.k (times s_scale: log2 domain)
         if MASKED:
-            s = tl.where((t[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+            visible = (t[None, :] <= q_pos[:, None]) & (t[None, :] > q_pos[:, None] - window) & t_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * s_scale)
         if MASKED:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -105,6 +109,7 @@ def _prefill_kernel(
     context_lens,
     out_ptr,
     qk_scale,
+    window,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -171,7 +176,11 @@ def _prefill_kernel(
     first_pos = prefix + tile * BLOCK_M
     last_pos = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the last key any row of the tile sees
     last_pos = tl.where(valid, last_pos, 0)
-    full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, last_pos)  # keys visible to every row
+    full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, last_pos)  # no key past any row's position
+    # with a sliding window: keys before the first row's window are skipped, and only the tiles past the last
+    # row's window start are free of the window mask (window is a bound past any context without one)
+    win_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    win_hi = tl.minimum(tl.maximum(tl.cdiv(last_pos - window, BLOCK_N) * BLOCK_N, win_lo), full_end)
     acc, m_i, l_i = _attn_tile(
         acc,
         m_i,
@@ -180,7 +189,31 @@ def _prefill_kernel(
         k_head,
         v_head,
         bt_row,
-        0,
+        win_lo,
+        win_hi,
+        q_pos,
+        d,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        s_scale,
+        window,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        True,
+    )
+    acc, m_i, l_i = _attn_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_head,
+        v_head,
+        bt_row,
+        win_hi,
         full_end,
         q_pos,
         d,
@@ -189,6 +222,7 @@ def _prefill_kernel(
         stride_vb,
         stride_vt,
         s_scale,
+        window,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_SIZE,
@@ -212,6 +246,7 @@ def _prefill_kernel(
         stride_vb,
         stride_vt,
         s_scale,
+        window,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_SIZE,
@@ -255,9 +290,10 @@ def prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     config: dict | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     # q: [T, H, D]; caches: [num_blocks, block_size, KH, D]; block_tables: [S, max_blocks];
-    # query_start_loc: [S + 1]; context_lens: [S] -> out [T, H, D]
+    # query_start_loc: [S + 1]; context_lens: [S] -> out [T, H, D]; sliding_window W > 0: keys within W
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -284,6 +320,7 @@ def prefill_attention(
         context_lens,
         out,
         scale * LOG2E,
+        sliding_window if sliding_window > 0 else NO_WINDOW,
         num_seqs,
         q.stride(0),
         q.stride(1),
