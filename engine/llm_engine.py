@@ -104,6 +104,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.groups: dict[str, RequestGroup] = {}
         self._text_pending: list[tuple[Request, int | None]] = []  # (request, token) whose text is due
+        self._grammar_pending: list[Request] = []  # constrained requests whose newest token no grammar has seen
         self.counters = EngineCounters()
         log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
                f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
@@ -222,7 +223,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for req in plan.preempted:
             self.runner.forget_blocks(req.request_id)
-        masks = self.structured.token_masks if self.structured.num_requests else None
+        masks = self._grammar_masks if self.structured.num_requests else None
         pending = self.runner.launch(plan.scheduled, plan.copy_on_write, masks)
         outputs = self._process_text(final_only)
         to_sample, sampled = pending.result()
@@ -235,7 +236,8 @@ class LLMEngine:
         for req in updated:
             self.counters.generation_tokens += 1
             self._apply_token_stops(req)
-        self._apply_grammar_stops(updated)
+        if self.structured.num_requests:
+            self._grammar_pending += [req for req in updated if not req.is_finished]
         self._text_pending += [(req, req.output_token_ids[-1]) for req in updated]
         for req in plan.finished:  # the scheduler ended these itself (grew past what the KV cache can hold)
             if req.parent_id in self.groups:
@@ -280,13 +282,22 @@ class LLMEngine:
             req.stop_reason = reason
             self.scheduler.finish_request(req.request_id, status)
 
-    def _apply_grammar_stops(self, requests: list[Request]) -> None:
-        """Advance each sample's grammar by its new token (all at once); a complete grammar ends its request
+    def _grammar_masks(self, to_sample: list[Request]):
+        """Called by the runner once the step's forward is queued: advance the grammars by the previous step's
+        tokens, then compute this step's masks, both while the device computes. A grammar completed by the
+        previous token ends its request here, one step late like a stop string: the token this step computes for
+        it is dropped (``update_after_step`` skips finished requests), so outputs are as if it ended at once."""
+        self._apply_grammar_stops()
+        return self.structured.token_masks(to_sample)
+
+    def _apply_grammar_stops(self) -> None:
+        """Advance each sample's grammar by its newest token (all at once); a complete grammar ends its request
         (before min_tokens: nothing but EOS could follow), unless it ignores EOS: then EOS is all it can still
         sample."""
+        pending, self._grammar_pending = self._grammar_pending, []
         if not self.structured.num_requests:
             return
-        for req in self.structured.accept_all([req for req in requests if not req.is_finished]):
+        for req in self.structured.accept_all([req for req in pending if not req.is_finished]):
             if not req.sampling_params.ignore_eos:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
