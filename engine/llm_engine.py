@@ -6,9 +6,9 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from engine.admission import Admission, check_request_id
 from engine.bundled import pagoda_home
@@ -288,7 +288,7 @@ class LLMEngine:
         previous token ends its request here, one step late like a stop string: the token this step computes for
         it is dropped (``update_after_step`` skips finished requests), so outputs are as if it ended at once."""
         self._apply_grammar_stops()
-        return self.structured.token_masks(to_sample)
+        return self.structured.mask_job(to_sample)
 
     def _apply_grammar_stops(self) -> None:
         """Advance each sample's grammar by its newest token (all at once); a complete grammar ends its request

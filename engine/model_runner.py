@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
 from engine.request import Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
-from engine.structured_output import TokenMasks
+from engine.structured_output import MaskJob
 from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
 
@@ -50,12 +51,17 @@ class MemoryProfile:
 
 @dataclass
 class PendingStep:
-    """A launched step: ``result()`` waits for the sampled tokens of ``to_sample`` (None: nothing sampled)."""
+    """A launched step: ``result()`` waits for the sampled tokens of ``to_sample`` (None: nothing sampled).
+    ``launch_sample`` (constrained steps) queues the sampling once the grammar masks are ready: it runs at
+    ``result()``, so the masks are computed on another thread while the caller does its text work."""
 
     to_sample: list[Request]
     sample: PendingSample | None
+    launch_sample: Callable[[], PendingSample] | None = None
 
     def result(self) -> tuple[list[Request], SamplerOutput | None]:
+        if self.launch_sample is not None:
+            self.sample, self.launch_sample = self.launch_sample(), None
         return self.to_sample, (self.sample.result() if self.sample is not None else None)
 
 
@@ -65,6 +71,7 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: Path, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
         self.args, self.device, self.dtype = args, device, dtype
+        self._mask_worker: ThreadPoolExecutor | None = None  # grammar masks of constrained steps
         self.backend = Backend.for_device(device, force_reference=args.force_reference_kernels)
         started = time.perf_counter()
         self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
@@ -268,7 +275,7 @@ class ModelRunner:
         return inputs, to_sample
 
     def launch(self, scheduled, copy_on_write: list[tuple[int, int]],
-               token_masks: Callable[[list[Request]], TokenMasks | None] | None = None) -> PendingStep:
+               token_masks: Callable[[list[Request]], MaskJob | None] | None = None) -> PendingStep:
         """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
         sampling of requests whose known tokens are all computed; the device works while the caller goes on.
         ``token_masks`` gives the grammar bitmasks of the rows to sample: it runs on the host after the forward
@@ -284,11 +291,22 @@ class ModelRunner:
             logits = self.model.forward(inputs.to_batch(self.device))  # [num_sampled, vocab] float32
         if not to_sample:
             return PendingStep([], None)
-        masks = token_masks(to_sample) if token_masks is not None else None
-        return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks))
+        job = token_masks(to_sample) if token_masks is not None else None
+        if job is None:
+            return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample))
+        masks = self._mask_thread().submit(job.run)  # llguidance works while the caller's thread does text
+        return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, masks.result()))
+
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-masks")
+        return self._mask_worker
 
     def release(self) -> None:
         """Drop every device tensor this runner holds so the memory can go back to the device."""
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=False)
+            self._mask_worker = None
         self.graphs = None
         self.model.kv_caches = []
         self.kv_caches = []

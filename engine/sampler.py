@@ -150,7 +150,7 @@ class Sampler:
         return generator
 
 
-def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, uploader: "TokenMaskUploader | None" = None
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, uploader: TokenMaskUploader | None = None
                       ) -> torch.Tensor:
     """A copy of ``logits`` with the tokens a row's grammar forbids at -inf (rows without a mask untouched).
 

@@ -161,6 +161,20 @@ class TokenMasks(NamedTuple):
     bitmask: np.ndarray  # [len(rows), ceil(vocab / 32)] int32
 
 
+class MaskJob:
+    """One step's mask computation: fills the live rows' bitmasks on llguidance's threads (the matchers are held
+    here, so a request freed meanwhile does not matter)."""
+
+    def __init__(self, executor, rows: list[int], bitmask: np.ndarray, live: list[tuple[object, int]]):
+        self._executor, self._rows, self._bitmask, self._live = executor, rows, bitmask, live
+
+    def run(self) -> TokenMasks:
+        if self._live:
+            words = self._bitmask.shape[1]
+            self._executor.unsafe_compute_mask_ptr(self._live, self._bitmask.ctypes.data, words * 4, len(self._rows))
+        return TokenMasks(self._rows, self._bitmask)
+
+
 @dataclass
 class _Constraint:
     matcher: object
@@ -194,6 +208,12 @@ class StructuredOutputManager:
 
     def token_masks(self, requests: list) -> TokenMasks | None:
         """The bitmasks of the rows whose grammar applies now (None when no row is constrained)."""
+        job = self.mask_job(requests)
+        return None if job is None else job.run()
+
+    def mask_job(self, requests: list) -> MaskJob | None:
+        """What ``token_masks`` computes, split so the llguidance call can run on another thread: this part (on
+        the stepping thread) picks the rows and their matchers; ``MaskJob.run`` touches nothing else here."""
         rows = [i for i, r in enumerate(requests) if self._applies(r.request_id)]
         if not rows:
             return None
@@ -206,9 +226,7 @@ class StructuredOutputManager:
                 self._allow_eos_only(bitmask[k])
             else:
                 live.append((constraint.matcher, k))
-        if live:
-            self._executor_or_new().unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4, len(rows))
-        return TokenMasks(rows, bitmask)
+        return MaskJob(self._executor_or_new() if live else None, rows, bitmask, live)
 
     def accept(self, request, token_id: int) -> bool:
         """Advance the sample's matcher by its new token; True when its grammar is complete (the request may
