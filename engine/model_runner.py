@@ -25,6 +25,8 @@ from engine.structured_output import MaskJob
 from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
 
+MASK_THREAD_MIN_ROWS = 8  # constrained rows from which a step's masks are computed on the mask thread
+
 log = logging.getLogger("pagoda.runner")
 
 @dataclass(frozen=True)
@@ -292,8 +294,9 @@ class ModelRunner:
         if not to_sample:
             return PendingStep([], None)
         job = token_masks(to_sample) if token_masks is not None else None
-        if job is None:
-            return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample))
+        if job is None or job.num_rows < MASK_THREAD_MIN_ROWS:  # a few rows: the thread hand-off costs more
+            masks = job.run() if job is not None else None
+            return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks))
         masks = self._mask_thread().submit(job.run)  # llguidance works while the caller's thread does text
         return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, masks.result()))
 

@@ -168,6 +168,10 @@ class MaskJob:
     def __init__(self, executor, rows: list[int], bitmask: np.ndarray, live: list[tuple[object, int]]):
         self._executor, self._rows, self._bitmask, self._live = executor, rows, bitmask, live
 
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
     def run(self) -> TokenMasks:
         if self._live:
             words = self._bitmask.shape[1]
