@@ -12,7 +12,11 @@ import torch
 
 from engine.errors import EngineError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
+QWEN3 = "Qwen3ForCausalLM"
+PHI3 = "Phi3ForCausalLM"
+PHI3_ORIGINAL_MAX_POSITIONS = 4096  # Phi3Config's default for original_max_position_embeddings
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -81,8 +85,22 @@ class EngineArgs:
 
 
 @dataclass(frozen=True)
+class ContextLimit:
+    """The longest context at which the engine computes what transformers computes for a model, and why."""
+
+    tokens: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The architecture facts the engine needs, read from a HF ``config.json``."""
+    """The architecture facts the engine needs, read from a HF ``config.json``.
+
+    ``max_position_embeddings`` is the longest context Pagoda serves the model at by default: the config's value,
+    capped by ``context_limit`` where the engine matches transformers only up to a shorter length (LongRoPE's
+    original length, a sliding window the kernels do not have yet). ``rope_scaling`` is the config's dict with
+    the fields transformers fills in at load (canonical ``rope_type``, ``original_max_position_embeddings``).
+    """
 
     architecture: str
     vocab_size: int
@@ -102,7 +120,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization_config: dict | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k (weights [head_dim]) before rotary
+    fused_projections: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj as one matrix each
+    partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * factor) dims of a head (Phi-4-mini)
+    context_limit: ContextLimit | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each q/k head that rotary turns (transformers: ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @staticmethod
     def from_dict(cfg: dict) -> "ModelConfig":
@@ -116,6 +143,10 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             rope_params = cfg.get("rope_parameters") or {}
+            _check_family(cfg, arch)
+            scaling = _rope_scaling(cfg, arch, rope_params)
+            limit = _context_limit(cfg, arch, scaling)
+            max_positions = int(cfg.get("max_position_embeddings", 2048))
             return ModelConfig(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -127,14 +158,18 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
-                rope_scaling=cfg.get("rope_scaling") or _rope_scaling_from_parameters(rope_params),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rope_scaling=scaling,
+                max_position_embeddings=min(max_positions, limit.tokens) if limit else max_positions,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 eos_token_ids=eos_ids,
                 bos_token_id=cfg.get("bos_token_id"),
                 quantization_config=cfg.get("quantization_config"),
+                qk_norm=arch == QWEN3,
+                fused_projections=arch == PHI3,
+                partial_rotary_factor=_partial_rotary_factor(cfg, arch, rope_params),
+                context_limit=limit,
                 raw=cfg,
             )
         except KeyError as exc:
@@ -193,3 +228,111 @@ def _rope_scaling_from_parameters(params: dict) -> dict | None:
     """transformers 5 writes ``rope_parameters`` instead of ``rope_scaling``; keep only a non-default type."""
     kind = params.get("rope_type") or params.get("type")
     return dict(params) if kind not in (None, "default") else None
+
+
+def _check_family(cfg: dict, arch: str) -> None:
+    """Refuse what the new families' configs may say that Pagoda does not compute (never run such a model wrong)."""
+    if arch not in (QWEN3, PHI3):
+        return  # the Llama family keeps its checks as they were
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise EngineError(f"unsupported hidden_act {act!r} for {arch}: Pagoda's MLP is SwiGLU (silu)")
+    if arch == QWEN3 and cfg.get("attention_bias"):
+        raise EngineError("unsupported Qwen3 config: attention_bias true (biases on q/k/v and o) is not loaded; "
+                          "published Qwen3 models have none")
+
+
+def _rope_scaling(cfg: dict, arch: str, rope_params: dict) -> dict | None:
+    """The config's rope scaling with the fields transformers resolves at load for the types that need them.
+
+    Phi3Config renames ``su`` and ``yarn`` to ``longrope``. ``original_max_position_embeddings``: for Phi-3
+    transformers puts the top-level field (default 4096) over the rope dict's, except under the old name ``su``;
+    elsewhere the rope dict's, else ``max_position_embeddings``. A longrope ``factor`` defaults to
+    max / original positions (it sets the attention factor). Default, linear and llama3 dicts pass unchanged.
+    """
+    scaling = cfg.get("rope_scaling") or _rope_scaling_from_parameters(rope_params)
+    if not scaling:
+        return None
+    named = scaling.get("rope_type") or scaling.get("type")
+    kind = "longrope" if arch == PHI3 and named in ("su", "yarn") else named
+    if kind not in ("longrope", "yarn", "dynamic"):
+        return scaling
+    resolved = dict(scaling, rope_type=kind)
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    if kind == "dynamic":
+        return resolved
+    if arch == PHI3 and named != "su":
+        original = cfg.get("original_max_position_embeddings") or PHI3_ORIGINAL_MAX_POSITIONS
+    else:
+        original = scaling.get("original_max_position_embeddings") or (None if named == "su" else max_positions)
+    if original is None:
+        raise EngineError("rope_scaling type 'su' needs original_max_position_embeddings in rope_scaling")
+    resolved["original_max_position_embeddings"] = int(original)
+    if kind == "longrope" and resolved.get("factor") is None:
+        resolved["factor"] = max_positions / int(original)
+    return resolved
+
+
+def _partial_rotary_factor(cfg: dict, arch: str, rope_params: dict) -> float:
+    """transformers reads it from the rope dict first, then the top level; only Phi-3 slices q/k for it."""
+    scaling = cfg.get("rope_scaling") or {}
+    factor = next((float(d["partial_rotary_factor"]) for d in (scaling, rope_params, cfg)
+                   if d.get("partial_rotary_factor") is not None), 1.0)
+    if factor != 1.0 and arch != PHI3:
+        raise EngineError(f"unsupported partial_rotary_factor {factor} for {arch}: only Phi-3 rotates part of a head")
+    if not 0.0 < factor <= 1.0:
+        raise EngineError(f"unsupported partial_rotary_factor {factor}: it must be in (0, 1]")
+    return factor
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The attention window of the new families (None: every layer attends to the whole context).
+
+    Qwen3 has one only with ``use_sliding_window`` and only on layers typed ``sliding_attention`` (by default
+    those from ``max_window_layers`` on); Phi-3 on every layer. The Llama family is left as it was.
+    """
+    window = cfg.get("sliding_window")
+    if arch == PHI3:
+        return int(window) if window else None
+    if arch != QWEN3 or not cfg.get("use_sliding_window") or not window:
+        return None
+    num_layers = int(cfg.get("num_hidden_layers", 0))
+    first_windowed = int(cfg.get("max_window_layers", 28))
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= first_windowed else "full_attention"
+                                       for i in range(num_layers)]
+    return int(window) if "sliding_attention" in types else None
+
+
+def _context_limit(cfg: dict, arch: str, scaling: dict | None) -> ContextLimit | None:
+    """The shortest length past which transformers computes something Pagoda does not (None: no such length).
+
+    A sliding window: keys further back than the window drop out of attention, which the kernels do not do yet.
+    LongRoPE: transformers uses the long factors for a whole forward once it reaches past
+    original_max_position_embeddings, so a long prompt's early keys are rotated otherwise than a short prompt's
+    that decoded past that length: no position-indexed table gives both. Dynamic NTK: the base grows with the
+    sequence past max_position_embeddings, again per forward.
+    """
+    limits = []
+    window = _sliding_window(cfg, arch)
+    if window:
+        limits.append(ContextLimit(window, f"the model uses sliding-window attention (window {window}), which "
+                                           "Pagoda's attention kernels do not apply yet"))
+    kind = (scaling or {}).get("rope_type")
+    if kind == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        limits.append(ContextLimit(original, f"LongRoPE switches to its long factors past "
+                                             f"original_max_position_embeddings ({original}) per forward pass, "
+                                             "which a position-indexed rotary table cannot reproduce"))
+    if kind == "dynamic":
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        limits.append(ContextLimit(max_positions, f"dynamic NTK rope rescales its base per forward pass past "
+                                                  f"max_position_embeddings ({max_positions})"))
+    return min(limits, key=lambda limit: limit.tokens) if limits else None
+
+
+def check_context_limit(config: ModelConfig, max_model_len: int) -> None:
+    """Refuse a context the engine would compute differently from transformers (see ``_context_limit``)."""
+    limit = config.context_limit
+    if limit is not None and max_model_len > limit.tokens:
+        raise EngineError(f"max_model_len {max_model_len} is longer than Pagoda runs this model exactly: "
+                          f"{limit.reason}; use --max-model-len {limit.tokens} or less", param="max_model_len")

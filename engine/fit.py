@@ -124,6 +124,7 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: torch.dtype | str) -
     lm_head = 0 if mc.tie_word_embeddings else embed
     per_layer = sum(linear_bytes(i, o, act, quant, b) for _, i, o, b in layer_linear_shapes(mc))
     per_layer += 2 * mc.hidden_size * act  # input_layernorm + post_attention_layernorm
+    per_layer += 2 * mc.head_dim * act if mc.qk_norm else 0  # Qwen3's q_norm + k_norm
     if quant is not None and quant.desc_act:  # int64 permutations: qkv, o, gate_up, down inputs
         per_layer += 8 * (2 * mc.hidden_size + mc.num_heads * mc.head_dim + mc.intermediate_size)
     return embed + lm_head + mc.num_layers * per_layer + mc.hidden_size * act  # + final norm

@@ -1,7 +1,8 @@
 """Build a LlamaModel from a HF folder: config.json + safetensors (sharded or not), dense or AWQ/GPTQ 4-bit.
 
-No pickle, no trust_remote_code. q/k/v and gate/up are merged at load so each runs as one matmul.
-Every missing tensor or shape mismatch is an EngineError naming the tensor.
+No pickle, no trust_remote_code. q/k/v and gate/up are merged at load so each runs as one matmul; Phi-3
+checkpoints store them merged already (``qkv_proj``, ``gate_up_proj``, quantized as one matrix each in 4-bit
+builds), which load as they are. Every missing tensor or shape mismatch is an EngineError naming the tensor.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig, read_folder_quantization_config
+from engine.config import ModelConfig, check_context_limit, read_folder_quantization_config
 from engine.errors import EngineError
 from engine.layers.linear import Linear, Weight
 from engine.layers.rotary import cos_sin_cache
@@ -93,21 +94,47 @@ class WeightLoader:
         return Linear(parts, bias, self.backend)
 
 
+def _input_projections(loader: WeightLoader, cfg: ModelConfig, p: str) -> tuple[Linear, Linear]:
+    """(qkv_proj, gate_up_proj) of layer prefix ``p``: merged from their parts, or as stored (Phi-3, no biases)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = f"{p}.self_attn"
+    if cfg.fused_projections:
+        return (loader.merged([f"{attn}.qkv_proj"], [q_out + 2 * kv_out], h, with_bias=False),
+                loader.merged([f"{p}.mlp.gate_up_proj"], [2 * inter], h, with_bias=False))
+    return (loader.merged([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q_out, kv_out, kv_out], h,
+                          with_bias=cfg.attention_bias),
+            loader.merged([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], h, with_bias=False))
+
+
 def _load_layer(loader: WeightLoader, cfg: ModelConfig, i: int) -> DecoderLayer:
     p = f"model.layers.{i}"
-    h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    norm = lambda name: loader.store.require(f"{p}.{name}.weight", (h,)).to(loader.device, loader.dtype)
-    attn = f"{p}.self_attn"
+    h, q_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+
+    def norm(name: str, size: int = h) -> torch.Tensor:
+        return loader.store.require(f"{p}.{name}.weight", (size,)).to(loader.device, loader.dtype)
+
+    qkv_proj, gate_up_proj = _input_projections(loader, cfg, p)
     return DecoderLayer(
         input_layernorm=norm("input_layernorm"),
-        qkv_proj=loader.merged([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q_out, kv_out, kv_out], h,
-                               with_bias=cfg.attention_bias),
-        o_proj=loader.merged([f"{attn}.o_proj"], [h], q_out, with_bias=False),
+        qkv_proj=qkv_proj,
+        o_proj=loader.merged([f"{p}.self_attn.o_proj"], [h], q_out, with_bias=False),
         post_attention_layernorm=norm("post_attention_layernorm"),
-        gate_up_proj=loader.merged([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
-                                   [cfg.intermediate_size, cfg.intermediate_size], h, with_bias=False),
+        gate_up_proj=gate_up_proj,
         down_proj=loader.merged([f"{p}.mlp.down_proj"], [h], cfg.intermediate_size, with_bias=False),
+        q_norm=norm("self_attn.q_norm", cfg.head_dim) if cfg.qk_norm else None,
+        k_norm=norm("self_attn.k_norm", cfg.head_dim) if cfg.qk_norm else None,
     )
+
+
+def family_unfusable(cfg: ModelConfig) -> str | None:
+    """Why the fused one-row decode layer (engine/models/fused_decode.py) cannot run this family, if it cannot:
+    its qkv epilogue rotates whole heads straight out of the GEMV, with no q/k norm between."""
+    if cfg.qk_norm:
+        return "q/k norms before rotary (Qwen3) are not in the fused qkv epilogue"
+    if cfg.rotary_dim != cfg.head_dim:
+        return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
+    return None
 
 
 def read_config_dict(model_dir: Path) -> dict:
@@ -127,6 +154,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
     allows it (engine/models/fused_decode.py)."""
     raw = read_config_dict(model_dir)
     cfg = ModelConfig.from_dict(raw)
+    check_context_limit(cfg, max_positions)
+    rope = cos_sin_cache(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)  # refuses first
     quant = None
     if read_folder_quantization_config(model_dir, raw) is not None:  # config.json or a side file
         from engine.quant import get_quant_method
@@ -144,10 +173,9 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
     else:
         lm_head = store.require("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)).to(device, dtype)
     norm = store.require("model.norm.weight", (cfg.hidden_size,)).to(device, dtype)
-    rope = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
     model = LlamaModel(cfg, backend, embed, layers, norm, lm_head, rope)
     if backend.use_triton and fuse_decode:  # the reference backend keeps its dense CPU weights for every step
-        reason = fused_decode_unsupported(model)
+        reason = family_unfusable(cfg) or fused_decode_unsupported(model)
         model.fuse_one_row_decode = reason is None
         log("one-sequence decode: fused layer" if reason is None else f"one-sequence decode: unfused ({reason})")
     return model

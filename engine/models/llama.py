@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2): forward over a ForwardBatch with paged KV caches.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4): forward over a ForwardBatch, paged KV.
 
 Weights are plain tensors / ``Linear`` objects filled by engine/model_loader.py; every op goes through the
 ``Backend`` (Triton on CUDA, torch reference elsewhere). The model holds no per-request state: the KV
 cache tensors are bound once by the model runner and addressed through the batch's slot mapping.
+The families differ in two places of attention only: Qwen3 RMS-normalizes each q and k head before rotary
+(``DecoderLayer.q_norm`` / ``k_norm``), and Phi-4-mini rotates the first ``config.rotary_dim`` dims of a head
+(the cos/sin cache is that wide). Phi-3's fused checkpoint projections are the merged ``Linear`` loaded as is.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class DecoderLayer:
     post_attention_layernorm: torch.Tensor
     gate_up_proj: Linear  # hidden -> 2 * intermediate
     down_proj: Linear
+    q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's per-head RMSNorm of q before rotary
+    k_norm: torch.Tensor | None = None  # [head_dim]: the same for k
 
 
 @dataclass
@@ -36,7 +41,7 @@ class LlamaModel:
     layers: list[DecoderLayer]
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
-    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] float32
+    cos_sin_cache: torch.Tensor  # [max_positions, rotary_dim] float32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     fuse_one_row_decode: bool = False  # one-sequence decode steps run engine/models/fused_decode.py
 
@@ -53,7 +58,9 @@ class LlamaModel:
         q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.backend.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
+        if layer.q_norm is not None:
+            q, k = self.normalize_heads(layer, q, k)
+        q, k = self.rotate(batch.positions, q, k)
         k_cache, v_cache = self.kv_caches[index]
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
         scale = cfg.head_dim ** -0.5
@@ -64,6 +71,26 @@ class LlamaModel:
             out = self.backend.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                                batch.context_lens, scale)
         return layer.o_proj(out.reshape(num_tokens, q_size))  # [num_tokens, hidden]
+
+    def normalize_heads(self, layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's q/k norms: the model's RMSNorm op over rows of one head each, so the GPU runs its kernel."""
+        eps = self.config.rms_norm_eps
+        head_dim = q.shape[-1]
+        q_rows, _ = self.backend.rms_norm(q.reshape(-1, head_dim), layer.q_norm, eps)  # [tokens * heads, head_dim]
+        k_rows, _ = self.backend.rms_norm(k.reshape(-1, head_dim), layer.k_norm, eps)
+        return q_rows.view(q.shape), k_rows.view(k.shape)
+
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary on the first ``rotary_dim`` dims of each head (all of them but for partial rotary); the rest
+        passes through, as transformers' Phi-3 does."""
+        rotary_dim = self.cos_sin_cache.shape[-1]
+        if rotary_dim == q.shape[-1]:
+            return self.backend.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        q_rot, k_rot = self.backend.rotary_embedding(positions, q[..., :rotary_dim], k[..., :rotary_dim],
+                                                     self.cos_sin_cache)  # [tokens, heads, rotary_dim]
+        return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
 
     def mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         return layer.down_proj(self.backend.silu_and_mul(layer.gate_up_proj(x)))
@@ -89,6 +116,8 @@ class LlamaModel:
         tensors = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
         total = sum(t.numel() * t.element_size() for t in tensors)
         for layer in self.layers:
-            total += sum(t.numel() * t.element_size() for t in (layer.input_layernorm, layer.post_attention_layernorm))
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [t for t in (layer.q_norm, layer.k_norm) if t is not None]
+            total += sum(t.numel() * t.element_size() for t in norms)
             total += sum(lin.nbytes() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
         return total

@@ -1,6 +1,6 @@
 """One decoder layer at a time: AWQ (scale + clip search, then rounding), GPTQ, or plain round-to-nearest.
 
-Works on the transformers Llama-family layer (Llama, Mistral, Qwen2): ``input_layernorm -> self_attn
+Works on the transformers Llama-family layer (Llama, Mistral, Qwen2, Qwen3): ``input_layernorm -> self_attn
 (q/k/v_proj, o_proj) -> residual -> post_attention_layernorm -> mlp (gate/up_proj, down_proj) -> residual``.
 Linear layers are handled in execution order and each sees inputs computed through the ones before it
 (GPTQ's ``true_sequential``); after a layer is done its weights hold their dequantized values, so the

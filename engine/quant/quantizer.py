@@ -43,7 +43,10 @@ from engine.quant.layers import (
 from engine.quant.rtn import check_group_size
 
 METHODS = ("awq", "gptq", "rtn")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Their decoder layers share the module names of engine/quant/layers.py (Qwen3's q/k norms sit inside
+# self_attn after q/k_proj, so scales folded into input_layernorm stay exact); Phi-3's fused qkv_proj and
+# gate_up_proj do not, and the quantizer refuses it.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibration.txt"
 
 Log = Callable[[str], None]
