@@ -5,8 +5,9 @@ tokenizer) and read back by both sides from the same folder, so the engine and t
 config.json. On CPU in float32 the engine's greedy tokens must equal transformers' greedy ``generate``
 exactly (prompts up to 130 tokens, chunked by a 64-token step budget), its prefill logits must agree to
 float32 noise, and its rotary tables must be transformers' own. What the engine cannot run exactly is
-refused with an EngineError that says why. The AWQ loader reads a Qwen3 build made by our quantizer and a
-Phi-3 build whose fused qkv_proj / gate_up_proj are quantized as one matrix each.
+refused with an EngineError that says why. The 4-bit loader reads an AWQ build of Qwen3 made by our quantizer
+and AWQ / GPTQ builds of Phi-3 whose fused qkv_proj / gate_up_proj are quantized as one matrix each; each must
+generate what transformers generates on the checkpoint's dequantized weights (engine/quant/evaluate.py).
 The GPU variants run real layer shapes (Qwen3-8B, Phi-3-mini, Phi-4-mini; two layers) with the Triton
 kernels in fp16, judged the way tests/test_gpu_engine.py judges the Llama shapes.
 """
@@ -350,26 +351,32 @@ def test_unsupported_rope_is_refused_before_the_weights_load(checkpoint, tmp_pat
 # ---- AWQ builds --------------------------------------------------------------------------------------------
 
 
-def write_rtn_awq(src: Path, out: Path, group_size: int) -> Path:
-    """An AutoAWQ-GEMM checkpoint of ``src`` by plain rounding, every decoder linear as stored in ``src`` (Phi-3's
-    fused qkv_proj and gate_up_proj as one matrix each, as AutoAWQ quantizes them)."""
+def write_rtn_checkpoint(src: Path, out: Path, group_size: int, method: str = "awq") -> Path:
+    """An AutoAWQ-GEMM or AutoGPTQ (v1) checkpoint of ``src`` by plain rounding, every decoder linear as stored
+    in ``src`` (Phi-3's fused qkv_proj and gate_up_proj as one matrix each, as AutoAWQ and GPTQModel pack them)."""
     from safetensors.torch import load_file, save_file
 
     from engine.quant.awq import AWQMethod, awq_tensors
+    from engine.quant.gptq import GPTQMethod, gptq_tensors
     from engine.quant.rtn import quantize_grouped
 
     out.mkdir(parents=True)
     tensors = {}
     for name, value in load_file(str(src / "model.safetensors")).items():
         prefix = name.removesuffix(".weight")
-        if name.startswith("model.layers.") and prefix.endswith("_proj"):
-            codes, scales, zeros = quantize_grouped(value.float(), group_size)
-            tensors.update({f"{prefix}.{k}": v for k, v in awq_tensors(codes, scales, zeros).items()})
-        else:
+        if not (name.startswith("model.layers.") and prefix.endswith("_proj")):
             tensors[name] = value.half()
+            continue
+        if method == "awq":
+            packed = awq_tensors(*quantize_grouped(value.float(), group_size))
+        else:  # v1 stores zero - 1, so zeros start at 1
+            codes, scales, zeros = quantize_grouped(value.float(), group_size, min_zero=1)
+            packed = gptq_tensors(codes, scales, zeros, torch.arange(value.shape[1]) // group_size)
+        tensors.update({f"{prefix}.{key}": tensor for key, tensor in packed.items()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    quant = AWQMethod(4, group_size) if method == "awq" else GPTQMethod(4, group_size, sym=False)
     config = json.loads((src / "config.json").read_text())
-    config.update(quantization_config=AWQMethod(4, group_size).config_dict(), dtype="float16")
+    config.update(quantization_config=quant.config_dict(), dtype="float16")
     (out / "config.json").write_text(json.dumps(config))
     for path in src.iterdir():
         if path.name.startswith(("tokenizer", "special_tokens")):
@@ -377,11 +384,11 @@ def write_rtn_awq(src: Path, out: Path, group_size: int) -> Path:
     return out
 
 
-def transformers_dequantized_greedy(awq_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers running the AWQ checkpoint's dequantized weights (engine/quant/evaluate.py)."""
+def transformers_dequantized_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers running a 4-bit checkpoint's dequantized weights (engine/quant/evaluate.py)."""
     from engine.quant.evaluate import load_dense_model
 
-    return _generate(load_dense_model(awq_dir).eval(), prompts, max_new_tokens)
+    return _generate(load_dense_model(model_dir).eval(), prompts, max_new_tokens)
 
 
 def top1_agreement(model_a, model_b, sequences: list[list[int]]) -> float:
@@ -424,15 +431,16 @@ def test_awq_build_of_qwen3_loads_and_tracks_the_fp_model(checkpoint, tmp_path):
         assert ((ours - reference).norm() / centred.norm()).item() <= 0.5
 
 
-def test_awq_build_of_phi3_with_fused_projections_loads(checkpoint, tmp_path):
-    awq = write_rtn_awq(checkpoint("phi4-mini"), tmp_path / "phi4-mini-awq", group_size=32)
-    model = load_cpu(awq)
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_4bit_build_of_phi3_with_fused_projections_loads(checkpoint, tmp_path, method):
+    quantized = write_rtn_checkpoint(checkpoint("phi4-mini"), tmp_path / f"phi4-mini-{method}", 32, method)
+    model = load_cpu(quantized)
     for linear, out_features in ((model.layers[0].qkv_proj, (4 + 2 * 2) * 16),
                                  (model.layers[0].gate_up_proj, 2 * 128)):
         assert len(linear.parts) == 1 and isinstance(linear.parts[0], PackedInt4)
         assert linear.parts[0].out_features == out_features and linear.parts[0].in_features == 64
     prompts = prompts_of((5, 70))
-    assert engine_greedy(awq, prompts, 8) == transformers_dequantized_greedy(awq, prompts, 8)
+    assert engine_greedy(quantized, prompts, 8) == transformers_dequantized_greedy(quantized, prompts, 8)
 
 
 # ---- GPU: real layer shapes, Triton kernels, fp16 ----------------------------------------------------------
@@ -519,7 +527,7 @@ def test_awq_build_matches_dequantized_transformers_on_gpu(gpu_checkpoint, tmp_p
     checkpoint's dequantized weights (saved as an fp16 model)."""
     from engine.quant.evaluate import load_dense_model
 
-    awq = write_rtn_awq(gpu_checkpoint, tmp_path / "awq", group_size=128)
+    awq = write_rtn_checkpoint(gpu_checkpoint, tmp_path / "awq", group_size=128)
     dense_dir = tmp_path / "dequantized"
     load_dense_model(awq, torch.float16).save_pretrained(dense_dir, safe_serialization=True)
     prompts = random_prompts(gpu_checkpoint)
