@@ -431,6 +431,14 @@ def test_awq_build_of_qwen3_loads_and_tracks_the_fp_model(checkpoint, tmp_path):
         assert ((ours - reference).norm() / centred.norm()).item() <= 0.5
 
 
+def test_quantizer_refuses_phi3_fused_projections(checkpoint, tmp_path):
+    """Its layer search walks q/k/v and gate/up modules; Phi-3's are fused, so it refuses rather than skip them."""
+    from engine.quant.quantizer import quantize_model
+
+    with pytest.raises(EngineError, match="the quantizer supports .*Qwen3ForCausalLM, not .'Phi3ForCausalLM'."):
+        quantize_model(checkpoint("phi3"), tmp_path / "out", "rtn", group_size=32, log=lambda msg: None)
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_4bit_build_of_phi3_with_fused_projections_loads(checkpoint, tmp_path, method):
     quantized = write_rtn_checkpoint(checkpoint("phi4-mini"), tmp_path / f"phi4-mini-{method}", 32, method)
