@@ -13,8 +13,9 @@ in packed half2 arithmetic:
 - Split-K sized from the SM count; each program stores its fp32 partial and takes a ticket, and the last one to
   arrive for a column tile sums the partials and runs the epilogue (no second kernel, no memset: the ticket
   counters live on the weight and are left at multiples of LOCK_PERIOD, so the launch is CUDA-graph safe).
-- Prologue ``NORM``: RMSNorm of the residual stream computed by every program (the row is a few KB, read from
-  L2), so the norm is not a launch of its own.
+- Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own: from the sum of
+  squares the producing launch left in per-tile parts (``return_row_sumsq``), or reduced over the row by every
+  program when there is none (the first layer).
 - Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down), ``SILU``
   (gate and up tiles share one counter; the last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the
   q and k columns, k and v written to their KV-cache slot, q stored; a tile holds whole heads, so each rotary
@@ -122,7 +123,7 @@ def _half_bits(x):
 def _inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
     # 1 / sqrt(mean(x^2) + eps) over the row x [K] in fp32, BLOCK >= K: unrolled chunks of 1024, so the loads are
     # in flight together (one memory latency) while only a chunk's worth of registers is live at a time
-    CHUNK: tl.constexpr = 1024 if BLOCK > 1024 else BLOCK
+    CHUNK: tl.constexpr = 1024 if BLOCK > 1024 else BLOCK  # noqa: FURB136 (constexpr arithmetic in @jit)
     acc = tl.zeros([CHUNK], tl.float32)
     for c in tl.static_range(BLOCK // CHUNK):
         offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -226,6 +227,9 @@ def _gemv_kernel(
     slot_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    sumsq_in_ptr,
+    sumsq_out_ptr,
+    num_parts,
     N,
     K,
     k_per_split,
@@ -245,6 +249,8 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    PARTS_BLOCK: tl.constexpr,
+    SUMSQ_OUT: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr
     pid_n = tl.program_id(0)
@@ -264,7 +270,12 @@ def _gemv_kernel(
         gdc_launch_dependents()
     inv_rms = 1.0
     if NORM:
-        inv_rms = _inv_rms(x_ptr, K, eps, NORM_BLOCK)
+        if PARTS_BLOCK > 0:  # the producer of x left its sum of squares in parts: no row reduction here
+            parts = tl.load(sumsq_in_ptr + tl.arange(0, PARTS_BLOCK), mask=tl.arange(0, PARTS_BLOCK) < num_parts,
+                            other=0.0)
+            inv_rms = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / K + eps)
+        else:
+            inv_rms = _inv_rms(x_ptr, K, eps, NORM_BLOCK)
     acc = tl.zeros([R, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         # the next step's weights are in flight while this step computes (masked past the split's end)
@@ -306,7 +317,11 @@ def _gemv_kernel(
             total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
             if EPILOGUE == RESIDUAL:
                 total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
+            y = total.to(tl.float16)
+            tl.store(out_ptr + rn, y, mask=n_mask)
+            if SUMSQ_OUT:  # this tile's share of the row's sum of squares, for the next launch's RMSNorm
+                yf = tl.where(n_mask, y.to(tl.float32), 0.0)
+                tl.store(sumsq_out_ptr + pid_n, tl.sum(yf * yf, axis=0))
         tl.atomic_add(lock_ptr + counter, lock_rest, sem="relaxed", scope="gpu")  # LOCK_PERIOD - arrivals
 
 
@@ -375,8 +390,10 @@ def w4a16_gemv(
     residual: torch.Tensor | None = None,
     silu: bool = False,
     rope: dict | None = None,
+    row_sumsq: torch.Tensor | None = None,
+    return_row_sumsq: bool = False,
     plan: GemvPlan | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y = x @ W for one row, with optional fused neighbours.
 
     x [1, K] fp16; qweight [K // 8, N] int32; scales, zeros [K // G, N] fp16 (integer zeros); perm [K] | None.
@@ -384,7 +401,9 @@ def w4a16_gemv(
     residual [1, N]: returns residual += y (in place). silu: W holds gate then up columns: returns
     silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
     k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim): W is qkv; writes rotary k and v
-    to the slot and returns rotary q [1, q_size].
+    to the slot and returns rotary q [1, q_size]. ``return_row_sumsq`` (with ``residual`` or a plain y): also
+    returns fp32 parts [tiles] whose sum is the output row's sum of squares; given back as ``row_sumsq`` with
+    ``norm_weight`` to the next launch, its RMSNorm needs no reduction over the row (which cost 4-6 us a launch).
     """
     k = x.shape[1]
     n = qweight.shape[1]
@@ -419,6 +438,11 @@ def w4a16_gemv(
     else:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    sumsq_out = None
+    if return_row_sumsq:
+        if epilogue not in (STORE.value, RESIDUAL.value):
+            raise ValueError("w4a16_gemv: the row's sum of squares comes with a plain or residual output only")
+        sumsq_out = torch.empty((tiles,), dtype=torch.float32, device=x.device)
     pdl = pdl_supported(x.device)
     lock = lock_buffer(qweight, tiles, reuse=True)
     dummy = qweight
@@ -427,11 +451,15 @@ def w4a16_gemv(
         norm_weight if norm_weight is not None else dummy,
         extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
         extra.get("k_cache", dummy), extra.get("v_cache", dummy),
+        row_sumsq if row_sumsq is not None else part, sumsq_out if sumsq_out is not None else part,
+        row_sumsq.numel() if row_sumsq is not None else 0,
         n, k, k_per_split, splits, LOCK_PERIOD.value - splits * (2 if epilogue == SILU.value else 1), float(eps),
         GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
         HEAD_DIM=head_dim or 1, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
-        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, num_warps=plan.num_warps,
+        NORM_BLOCK=next_pow2(k) if norm_weight is not None and row_sumsq is None else 1,
+        PARTS_BLOCK=next_pow2(row_sumsq.numel()) if norm_weight is not None and row_sumsq is not None else 0,
+        SUMSQ_OUT=sumsq_out is not None, num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
-    return out
+    return (out, sumsq_out) if return_row_sumsq else out
