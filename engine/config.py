@@ -14,6 +14,7 @@ from engine.errors import EngineError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM")
+QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 PHI3 = "Phi3ForCausalLM"
 PHI3_ORIGINAL_MAX_POSITIONS = 4096  # Phi3Config's default for original_max_position_embeddings
@@ -98,7 +99,7 @@ class ModelConfig:
 
     ``max_position_embeddings`` is the longest context Pagoda serves the model at by default: the config's value,
     capped by ``context_limit`` where the engine matches transformers only up to a shorter length (LongRoPE's
-    original length, a sliding window the kernels do not have yet). ``rope_scaling`` is the config's dict with
+    original length). ``rope_scaling`` is the config's dict with
     the fields transformers fills in at load (canonical ``rope_type``, ``original_max_position_embeddings``).
     """
 
@@ -124,7 +125,12 @@ class ModelConfig:
     fused_projections: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj as one matrix each
     partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * factor) dims of a head (Phi-4-mini)
     context_limit: ContextLimit | None = None
+    layer_windows: tuple[int, ...] = ()  # per layer: the sliding-window length, 0 for full attention (() : none)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def window_of(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window in tokens (a query sees itself and window - 1 keys before it); 0: all."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def rotary_dim(self) -> int:
@@ -170,6 +176,7 @@ class ModelConfig:
                 fused_projections=arch == PHI3,
                 partial_rotary_factor=_partial_rotary_factor(cfg, arch, rope_params),
                 context_limit=limit,
+                layer_windows=_layer_windows(cfg, arch),
                 raw=cfg,
             )
         except KeyError as exc:
@@ -285,38 +292,41 @@ def _partial_rotary_factor(cfg: dict, arch: str, rope_params: dict) -> float:
     return factor
 
 
-def _sliding_window(cfg: dict, arch: str) -> int | None:
-    """The attention window of the new families (None: every layer attends to the whole context).
+def _layer_windows(cfg: dict, arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it (() when no layer has one).
 
-    Qwen3 has one only with ``use_sliding_window`` and only on layers typed ``sliding_attention`` (by default
-    those from ``max_window_layers`` on); Phi-3 on every layer. The Llama family is left as it was.
+    Mistral and Phi-3 window every layer when ``sliding_window`` is set (Llama's attention has no window);
+    Qwen2 and Qwen3 only with ``use_sliding_window`` (their configs carry a ``sliding_window`` value that is off
+    by default), on the layers ``layer_types`` marks ``sliding_attention``, by default those from
+    ``max_window_layers`` on.
     """
     window = cfg.get("sliding_window")
-    if arch == PHI3:
-        return int(window) if window else None
-    if arch != QWEN3 or not cfg.get("use_sliding_window") or not window:
-        return None
     num_layers = int(cfg.get("num_hidden_layers", 0))
-    first_windowed = int(cfg.get("max_window_layers", 28))
-    types = cfg.get("layer_types") or ["sliding_attention" if i >= first_windowed else "full_attention"
-                                       for i in range(num_layers)]
-    return int(window) if "sliding_attention" in types else None
+    if not window or arch == "LlamaForCausalLM":
+        return ()
+    types = cfg.get("layer_types")
+    if arch in (QWEN2, QWEN3):
+        if not cfg.get("use_sliding_window"):
+            return ()
+        first_windowed = int(cfg.get("max_window_layers", 28))
+        types = types or ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(num_layers)]
+    if types is None:
+        return (int(window),) * num_layers
+    if len(types) != num_layers:
+        raise EngineError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+    windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
+    return windows if any(windows) else ()
 
 
 def _context_limit(cfg: dict, arch: str, scaling: dict | None) -> ContextLimit | None:
     """The shortest length past which transformers computes something Pagoda does not (None: no such length).
 
-    A sliding window: keys further back than the window drop out of attention, which the kernels do not do yet.
     LongRoPE: transformers uses the long factors for a whole forward once it reaches past
     original_max_position_embeddings, so a long prompt's early keys are rotated otherwise than a short prompt's
     that decoded past that length: no position-indexed table gives both. Dynamic NTK: the base grows with the
     sequence past max_position_embeddings, again per forward.
     """
     limits = []
-    window = _sliding_window(cfg, arch)
-    if window:
-        limits.append(ContextLimit(window, f"the model uses sliding-window attention (window {window}), which "
-                                           "Pagoda's attention kernels do not apply yet"))
     kind = (scaling or {}).get("rope_type")
     if kind == "longrope":
         original = scaling["original_max_position_embeddings"]

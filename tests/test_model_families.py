@@ -75,10 +75,13 @@ PROMPT_LENGTHS = (5, 40, 70, 130)
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A random-weight checkpoint written by transformers (safetensors) with a word-level tokenizer."""
-    from transformers import Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     config_cls, model_cls, shape = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, QWEN3_TINY),
-                                    "phi3": (Phi3Config, Phi3ForCausalLM, PHI3_TINY)}[family]
+                                    "phi3": (Phi3Config, Phi3ForCausalLM, PHI3_TINY),
+                                    "mistral": (MistralConfig, MistralForCausalLM, LAYERS),
+                                    "qwen2": (Qwen2Config, Qwen2ForCausalLM, LAYERS)}[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**shape, **COMMON, **overrides}))
     with torch.no_grad():  # norms start at one: make every norm weight (q_norm, k_norm too) count
@@ -211,14 +214,32 @@ def test_longrope_model_serves_its_original_length_and_refuses_more(checkpoint):
     assert err.value.param == "max_model_len"
 
 
-def test_phi3_sliding_window_caps_the_context(tmp_path):
-    """Until the kernels apply a window, a Phi-3 with one serves no more tokens than the window holds."""
-    folder = build_checkpoint(tmp_path / "phi3-window", "phi3", sliding_window=100)
-    prompts = prompts_of((40, 85))
-    assert engine_greedy(folder, prompts, 10) == transformers_greedy(folder, prompts, 10)  # all within the window
-    assert ModelConfig.from_path(folder).max_position_embeddings == 100
-    with pytest.raises(EngineError, match="sliding-window attention .window 100.*--max-model-len 100"):
-        LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory="16MiB", max_model_len=200)
+@pytest.mark.parametrize("family, window, overrides", [
+    ("mistral", 16, {}),  # Mistral-7B-v0.1's form: every layer windowed (4,096 there)
+    ("phi3", 24, {}),  # Phi-3-mini-4k's (2,047 there)
+    ("qwen2", 16, {"use_sliding_window": True, "max_window_layers": 1}),  # only the layers from max_window_layers
+    ("qwen3", 16, {"use_sliding_window": True, "max_window_layers": 1}),
+])
+def test_sliding_window_matches_transformers_past_the_window(tmp_path, family, window, overrides):
+    """Prompts and generations several windows long: keys further back than the window drop out of attention in
+    prefill, chunked prefill (64-token steps) and decode, as transformers masks them; the context is not capped."""
+    folder = build_checkpoint(tmp_path / family, family, sliding_window=window, **overrides)
+    cfg = ModelConfig.from_path(folder)
+    windowed = [cfg.window_of(i) for i in range(cfg.num_layers)]
+    assert windowed == ([0, window] if "max_window_layers" in overrides else [window, window])
+    assert cfg.context_limit is None or cfg.context_limit.tokens > 512
+    prompts = prompts_of((9, 40, 70, 130))
+    assert engine_greedy(folder, prompts, 24) == transformers_greedy(folder, prompts, 24)
+
+
+def test_sliding_window_changes_the_tokens(tmp_path):
+    """The same weights without their window give other tokens past it (so the test above can fail)."""
+    folder = build_checkpoint(tmp_path / "mistral", "mistral", sliding_window=16)
+    prompts = prompts_of((70, 130))
+    windowed = engine_greedy(folder, prompts, 24)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    assert engine_greedy(folder, prompts, 24) != windowed
 
 
 # ---- rope scaling types ------------------------------------------------------------------------------------
@@ -302,18 +323,18 @@ def test_phi4_mini_and_su_configs():
                                                         "original_max_position_embeddings": 4096}))
     assert su.rope_scaling["rope_type"] == "longrope" and su.max_position_embeddings == 4096
     window = ModelConfig.from_dict(hub_config("Phi3ForCausalLM", max_position_embeddings=4096, sliding_window=2047))
-    assert window.max_position_embeddings == 2047 and "sliding-window" in window.context_limit.reason
+    assert window.max_position_embeddings == 4096 and window.window_of(0) == 2047
 
 
 def test_qwen3_sliding_window_only_where_transformers_applies_it():
     qwen = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 2,
                 "max_position_embeddings": 40960, "sliding_window": 4096, "max_window_layers": 1}
-    assert ModelConfig.from_dict(hub_config("Qwen3ForCausalLM", **qwen)).context_limit is None  # window not in use
+    assert ModelConfig.from_dict(hub_config("Qwen3ForCausalLM", **qwen)).layer_windows == ()  # window not in use
     windowed = ModelConfig.from_dict(hub_config("Qwen3ForCausalLM", **qwen, use_sliding_window=True))
-    assert windowed.max_position_embeddings == 4096 and windowed.qk_norm
+    assert windowed.layer_windows == (0, 4096) and windowed.max_position_embeddings == 40960 and windowed.qk_norm
     all_full = ModelConfig.from_dict(hub_config("Qwen3ForCausalLM", **qwen, use_sliding_window=True,
                                                 layer_types=["full_attention"] * 2))
-    assert all_full.context_limit is None and all_full.max_position_embeddings == 40960
+    assert all_full.layer_windows == () and all_full.max_position_embeddings == 40960
 
 
 @pytest.mark.parametrize("arch, fields, message", [

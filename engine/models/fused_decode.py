@@ -86,7 +86,8 @@ def decode_one_row(model, batch: ForwardBatch, handoff: bool = ROW_SUMSQ_HANDOFF
         q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, row_sumsq=sumsq,
                   rope=rope)  # [1, q_size]
         attn = model.backend.paged_decode_attention(q.view(1, cfg.num_heads, cfg.head_dim), k_cache, v_cache,
-                                                    batch.block_tables, batch.context_lens, scale)
+                                                    batch.block_tables, batch.context_lens, scale,
+                                                    cfg.window_of(index))
         sumsq = _residual_gemv(model, layer.o_proj, attn.reshape(1, q_size), residual, handoff)
         act = _gemv(model, layer.gate_up_proj, residual, norm_weight=layer.post_attention_layernorm, eps=eps,
                     row_sumsq=sumsq, silu=True)  # [1, intermediate]

@@ -64,12 +64,13 @@ class LlamaModel:
         k_cache, v_cache = self.kv_caches[index]
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
         scale = cfg.head_dim ** -0.5
+        window = cfg.window_of(index)
         if batch.is_decode:
             out = self.backend.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                                      scale)
+                                                      scale, window)
         else:
             out = self.backend.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-                                               batch.context_lens, scale)
+                                               batch.context_lens, scale, window)
         return layer.o_proj(out.reshape(num_tokens, q_size))  # [num_tokens, hidden]
 
     def normalize_heads(self, layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor
