@@ -127,16 +127,6 @@ def _load_layer(loader: WeightLoader, cfg: ModelConfig, i: int) -> DecoderLayer:
     )
 
 
-def family_unfusable(cfg: ModelConfig) -> str | None:
-    """Why the fused one-row decode layer (engine/models/fused_decode.py) cannot run this family, if it cannot:
-    its qkv epilogue rotates whole heads straight out of the GEMV, with no q/k norm between."""
-    if cfg.qk_norm:
-        return "q/k norms before rotary (Qwen3) are not in the fused qkv epilogue"
-    if cfg.rotary_dim != cfg.head_dim:
-        return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
-    return None
-
-
 def read_config_dict(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
@@ -175,7 +165,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
     norm = store.require("model.norm.weight", (cfg.hidden_size,)).to(device, dtype)
     model = LlamaModel(cfg, backend, embed, layers, norm, lm_head, rope)
     if backend.use_triton and fuse_decode:  # the reference backend keeps its dense CPU weights for every step
-        reason = family_unfusable(cfg) or fused_decode_unsupported(model)
+        reason = fused_decode_unsupported(model)
         model.fuse_one_row_decode = reason is None
         log("one-sequence decode: fused layer" if reason is None else f"one-sequence decode: unfused ({reason})")
     return model

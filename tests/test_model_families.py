@@ -29,6 +29,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layers.linear import PackedInt4
 from engine.layers.rotary import cos_sin_cache, rope_parameters
 from engine.model_loader import load_model
+from engine.models.fused_decode import fused_decode_unsupported
 from kernels.ops import Backend
 
 VOCAB = 256
@@ -437,6 +438,9 @@ def test_awq_build_of_qwen3_loads_and_tracks_the_fp_model(checkpoint, tmp_path):
     assert len(qkv) == 1 and isinstance(qkv[0], PackedInt4) and qkv[0].out_features == (4 + 2 * 2) * 32
     assert isinstance(layer.down_proj.parts[0], PackedInt4) and layer.q_norm.shape == (32,)
     assert model.weight_bytes() < load_cpu(src).weight_bytes()
+    # the fused one-row decode layer (GPU) has no q/k norm between its GEMV and rotary: it must not take Qwen3
+    assert "q/k norms" in fused_decode_unsupported(load_model(awq, torch.device("cpu"), torch.float16,
+                                                              Backend(use_triton=False), 64))
     # the loader's wiring: exactly transformers on the same dequantized weights
     prompts = prompts_of((5, 70))
     assert engine_greedy(awq, prompts, 8) == transformers_dequantized_greedy(awq, prompts, 8)

@@ -28,6 +28,10 @@ def fused_decode_unsupported(model) -> str | None:
         return "activations are not fp16"
     if cfg.head_dim & (cfg.head_dim - 1):
         return f"head_dim {cfg.head_dim} is not a power of two"
+    if cfg.qk_norm:  # the qkv epilogue rotates whole heads straight out of the GEMV
+        return "q/k norms before rotary (Qwen3) are not in the fused qkv epilogue"
+    if cfg.rotary_dim != cfg.head_dim:
+        return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             reason = _linear_unsupported(getattr(layer, name))
