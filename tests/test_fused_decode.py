@@ -63,25 +63,27 @@ def _decode_logits(model, caches, token_ids, steps: int, fused: bool, device,
 
 
 def _compare(model_dir, device: str, dtype: torch.dtype, backend: Backend, atol: float,
-             handoff: bool | None = None) -> None:
+             handoffs: tuple[bool | None, ...] = (None,), steps: int = 4) -> None:
+    """The unfused decode against the fused one (``handoffs``: None = the model's default, else forced)."""
     model = load_model(model_dir, torch.device(device), dtype, backend, max_positions=256)
     caches = _caches(model, 5, device)
     prompt = torch.randint(5, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(0)).tolist()
-    unfused, caches_unfused = _decode_logits(model, caches, prompt, 4, False, device)
-    fused, caches_fused = _decode_logits(model, caches, prompt, 4, True, device, handoff)
-    assert torch.isfinite(fused).all()
-    assert (fused - unfused).abs().max().item() <= atol
-    assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
-    for (k_u, v_u), (k_f, v_f) in zip(caches_unfused, caches_fused):
-        assert (k_u.float() - k_f.float()).abs().max().item() <= atol
-        assert (v_u.float() - v_f.float()).abs().max().item() <= atol
+    unfused, caches_unfused = _decode_logits(model, caches, prompt, steps, False, device)
+    for handoff in handoffs:
+        fused, caches_fused = _decode_logits(model, caches, prompt, steps, True, device, handoff)
+        assert torch.isfinite(fused).all()
+        assert (fused - unfused).abs().max().item() <= atol, f"handoff {handoff}"
+        assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
+        for (k_u, v_u), (k_f, v_f) in zip(caches_unfused, caches_fused):
+            assert (k_u.float() - k_f.float()).abs().max().item() <= atol
+            assert (v_u.float() - v_f.float()).abs().max().item() <= atol
 
 
-@pytest.mark.parametrize("handoff", [False, True])
-def test_fused_decode_matches_unfused_on_cpu(awq_model_dir, handoff):
+def test_fused_decode_matches_unfused_on_cpu(awq_model_dir):
     # in float32 (the wiring is under test; the GPU kernel's fp16 arithmetic is checked on the GPU): equal up to
     # the summation order of the two CPU matmul paths; with and without the sum-of-squares hand-off
-    _compare(awq_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, handoff=handoff)
+    _compare(awq_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, handoffs=(False, True),
+             steps=3)
 
 
 def test_fused_decode_refuses_what_it_cannot_run(default_model_dir):
@@ -110,5 +112,4 @@ def test_fused_decode_matches_unfused_on_gpu(shape):
     model = load_model(model_dir, torch.device("cuda"), torch.float16, Backend(use_triton=True), max_positions=64)
     assert fused_decode_unsupported(model) is None and model.fuse_one_row_decode
     del model
-    for handoff in (False, True):
-        _compare(model_dir, "cuda", torch.float16, Backend(use_triton=True), atol=0.25, handoff=handoff)
+    _compare(model_dir, "cuda", torch.float16, Backend(use_triton=True), atol=0.25, handoffs=(False, True))
