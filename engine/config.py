@@ -13,10 +13,13 @@ import torch
 from engine.errors import EngineError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma3ForCausalLM")
 QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 PHI3 = "Phi3ForCausalLM"
+GEMMA3 = "Gemma3ForCausalLM"
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types names
+GEMMA3_SLIDING_PATTERN = 6  # Gemma3TextConfig's default sliding_window_pattern: every 6th layer is global
 PHI3_ORIGINAL_MAX_POSITIONS = 4096  # Phi3Config's default for original_max_position_embeddings
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -38,7 +41,8 @@ def parse_bytes(value: str | int | float | None) -> int | None:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config_dtype: str | None) -> torch.dtype:
-    """'auto' is the checkpoint's dtype on GPU (fp16 if it is fp32) and float32 on CPU."""
+    """'auto' is ``config_dtype`` on GPU (fp16 if it is fp32) and float32 on CPU. ``config_dtype`` is
+    ``ModelConfig.torch_dtype``: the checkpoint's dtype, bf16 for Gemma 3 (see ``_auto_dtype_source``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -117,20 +121,34 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    torch_dtype: str | None
+    torch_dtype: str | None  # the dtype 'auto' starts from on a GPU (resolve_dtype): the checkpoint's, but see
+    # _auto_dtype_source (Gemma 3 runs in bf16 whatever its checkpoint says)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization_config: dict | None = None
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k (weights [head_dim]) before rotary
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k (weights [head_dim]) before rotary
     fused_projections: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj as one matrix each
     partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * factor) dims of a head (Phi-4-mini)
     context_limit: ContextLimit | None = None
     layer_windows: tuple[int, ...] = ()  # per layer: the sliding-window length, 0 for full attention (() : none)
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scores scale by its -1/2 power, not head_dim's
+    final_logit_softcapping: float | None = None  # Gemma: logits = tanh(logits / cap) * cap
+    local_rope_theta: float | None = None  # Gemma 3: rope base of the sliding-window layers (default rope type)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def window_of(self, layer: int) -> int:
         """Layer ``layer``'s sliding window in tokens (a query sees itself and window - 1 keys before it); 0: all."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax (transformers: ``query_pre_attn_scalar ** -0.5`` for Gemma)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates by the local table (Gemma 3's sliding layers; from_dict refuses a Gemma
+        config whose sliding layers have no window, so a window marks them)."""
+        return self.local_rope_theta is not None and self.window_of(layer) > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -144,12 +162,14 @@ class ModelConfig:
         if arch is None:
             raise EngineError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                               f"Pagoda runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raw = cfg
         try:
+            _check_family(cfg, arch)
+            cfg, gemma = _gemma3_config(cfg) if arch == GEMMA3 else (cfg, {})
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             rope_params = cfg.get("rope_parameters") or {}
-            _check_family(cfg, arch)
             scaling = _rope_scaling(cfg, arch, rope_params)
             limit = _context_limit(cfg, arch, scaling)
             max_positions = int(cfg.get("max_position_embeddings", 2048))
@@ -168,16 +188,17 @@ class ModelConfig:
                 max_position_embeddings=min(max_positions, limit.tokens) if limit else max_positions,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                torch_dtype=_auto_dtype_source(cfg, arch),
                 eos_token_ids=eos_ids,
                 bos_token_id=cfg.get("bos_token_id"),
                 quantization_config=cfg.get("quantization_config"),
-                qk_norm=arch == QWEN3,
+                qk_norm=arch in (QWEN3, GEMMA3),
                 fused_projections=arch == PHI3,
                 partial_rotary_factor=_partial_rotary_factor(cfg, arch, rope_params),
                 context_limit=limit,
                 layer_windows=_layer_windows(cfg, arch),
-                raw=cfg,
+                raw=raw,
+                **gemma,
             )
         except KeyError as exc:
             raise EngineError(f"config.json is missing the field {exc.args[0]!r}") from exc
@@ -239,6 +260,9 @@ def _rope_scaling_from_parameters(params: dict) -> dict | None:
 
 def _check_family(cfg: dict, arch: str) -> None:
     """Refuse what the new families' configs may say that Pagoda does not compute (never run such a model wrong)."""
+    if arch == GEMMA3:
+        _check_gemma3(cfg)
+        return
     if arch not in (QWEN3, PHI3):
         return  # the Llama family keeps its checks as they were
     act = cfg.get("hidden_act", "silu")
@@ -247,6 +271,86 @@ def _check_family(cfg: dict, arch: str) -> None:
     if arch == QWEN3 and cfg.get("attention_bias"):
         raise EngineError("unsupported Qwen3 config: attention_bias true (biases on q/k/v and o) is not loaded; "
                           "published Qwen3 models have none")
+
+
+def _check_gemma3(cfg: dict) -> None:
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise EngineError(f"unsupported hidden_activation {act!r} for Gemma 3: Pagoda's Gemma MLP is GeGLU with "
+                          "gelu_pytorch_tanh")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise EngineError(f"unsupported Gemma config: attn_logit_softcapping {cfg['attn_logit_softcapping']} "
+                          "(tanh soft-capping of the attention scores) is not in Pagoda's attention kernels; "
+                          "published Gemma 3 models set it to null")
+    if cfg.get("use_bidirectional_attention"):
+        raise EngineError("unsupported Gemma config: use_bidirectional_attention (an embedding model's "
+                          "non-causal attention) is not a generative model Pagoda serves")
+    if cfg.get("attention_bias"):
+        raise EngineError("unsupported Gemma config: attention_bias true (biases on q/k/v and o) is not loaded; "
+                          "published Gemma 3 models have none")
+
+
+def _gemma3_rope(cfg: dict) -> tuple[dict, dict]:
+    """(full-attention, sliding-attention) rope dicts as Gemma3TextConfig resolves them.
+
+    transformers 5 writes ``rope_parameters`` per layer type; older configs write ``rope_theta`` and
+    ``rope_scaling`` for the global layers and ``rope_local_base_freq`` for the sliding ones.
+    """
+    params = cfg.get("rope_parameters")
+    if params and not all(isinstance(params.get(kind), (dict, type(None))) for kind in LAYER_TYPES):
+        raise EngineError("Gemma 3's rope_parameters must be given per layer type "
+                          "(full_attention, sliding_attention)")
+    params = params or {}
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    sliding = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    full.update(cfg.get("rope_scaling") or {})
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    local_kind = sliding.get("rope_type") or sliding.get("type") or "default"
+    if local_kind != "default":
+        raise EngineError(f"unsupported Gemma 3 rope on the sliding layers: type {local_kind!r} (Pagoda runs the "
+                          "default rope there, as published Gemma 3 models do)")
+    return full, sliding
+
+
+def _gemma3_layer_types(cfg: dict) -> list[str]:
+    """``layer_types``, or Gemma3TextConfig's default: every ``sliding_window_pattern``-th layer global."""
+    num_layers = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(num_layers)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise EngineError(f"unsupported Gemma 3 layer type(s) {', '.join(unknown)}: Pagoda runs "
+                          f"{' and '.join(LAYER_TYPES)} layers")
+    if "sliding_attention" in types and not cfg.get("sliding_window"):
+        raise EngineError("Gemma 3 config marks sliding_attention layers but sets no sliding_window")
+    return list(types)
+
+
+def _gemma3_config(cfg: dict) -> tuple[dict, dict]:
+    """Gemma 3's config.json in the form the Llama reader takes, and Gemma's own ModelConfig fields.
+
+    The global layers' rope becomes ``rope_theta`` / ``rope_scaling``, the sliding layers' base
+    ``local_rope_theta``; Gemma3TextConfig's defaults (tied head, head_dim 256, query_pre_attn_scalar 256)
+    fill what the file leaves out.
+    """
+    full, sliding = _gemma3_rope(cfg)
+    kind = full.get("rope_type") or full.get("type") or "default"
+    llama_form = {**cfg, "rope_theta": float(full["rope_theta"]), "rope_scaling": None if kind == "default" else full,
+                  "rope_parameters": None, "layer_types": _gemma3_layer_types(cfg),
+                  "tie_word_embeddings": cfg.get("tie_word_embeddings", True), "head_dim": cfg.get("head_dim") or 256}
+    cap = cfg.get("final_logit_softcapping")
+    fields = {"query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+              "final_logit_softcapping": None if cap is None else float(cap),
+              "local_rope_theta": float(sliding["rope_theta"])}
+    return llama_form, fields
+
+
+def _auto_dtype_source(cfg: dict, arch: str) -> str | None:
+    """The dtype 'auto' starts from: the checkpoint's, except for Gemma 3, whose activations overflow fp16 (its
+    residual stream grows past 65504), so it runs in bf16 whatever the checkpoint (or a 4-bit build) says."""
+    return "bfloat16" if arch == GEMMA3 else (cfg.get("torch_dtype") or cfg.get("dtype"))
 
 
 def _rope_scaling(cfg: dict, arch: str, rope_params: dict) -> dict | None:
@@ -298,7 +402,8 @@ def _layer_windows(cfg: dict, arch: str) -> tuple[int, ...]:
     Mistral and Phi-3 window every layer when ``sliding_window`` is set (Llama's attention has no window);
     Qwen2 and Qwen3 only with ``use_sliding_window`` (their configs carry a ``sliding_window`` value that is off
     by default), on the layers ``layer_types`` marks ``sliding_attention``, by default those from
-    ``max_window_layers`` on.
+    ``max_window_layers`` on. Gemma 3 on its ``sliding_attention`` layers (``_gemma3_config`` fills
+    ``layer_types`` in).
     """
     window = cfg.get("sliding_window")
     num_layers = int(cfg.get("num_hidden_layers", 0))

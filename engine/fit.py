@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineArgs, ModelConfig, parse_bytes, resolve_dtype
+from engine.config import GEMMA3, EngineArgs, ModelConfig, parse_bytes, resolve_dtype
 from engine.errors import EngineError
 
 GiB = 1 << 30
@@ -123,11 +123,13 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: torch.dtype | str) -
     embed = mc.vocab_size * mc.hidden_size * act
     lm_head = 0 if mc.tie_word_embeddings else embed
     per_layer = sum(linear_bytes(i, o, act, quant, b) for _, i, o, b in layer_linear_shapes(mc))
-    per_layer += 2 * mc.hidden_size * act  # input_layernorm + post_attention_layernorm
-    per_layer += 2 * mc.head_dim * act if mc.qk_norm else 0  # Qwen3's q_norm + k_norm
+    norm = 4 if mc.architecture == GEMMA3 else act  # Gemma's norms are held as float32 (1 + weight)
+    per_layer += 2 * mc.hidden_size * norm  # input_layernorm + post_attention_layernorm
+    per_layer += 2 * mc.hidden_size * norm if mc.architecture == GEMMA3 else 0  # pre/post_feedforward_layernorm
+    per_layer += 2 * mc.head_dim * norm if mc.qk_norm else 0  # Qwen3's and Gemma's q_norm + k_norm
     if quant is not None and quant.desc_act:  # int64 permutations: qkv, o, gate_up, down inputs
         per_layer += 8 * (2 * mc.hidden_size + mc.num_heads * mc.head_dim + mc.intermediate_size)
-    return embed + lm_head + mc.num_layers * per_layer + mc.hidden_size * act  # + final norm
+    return embed + lm_head + mc.num_layers * per_layer + mc.hidden_size * norm  # + final norm
 
 
 def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype | str) -> int:

@@ -1,4 +1,5 @@
-"""Build a LlamaModel from a HF folder: config.json + safetensors (sharded or not), dense or AWQ/GPTQ 4-bit.
+"""Build a LlamaModel (Gemma3Model for Gemma 3) from a HF folder: config.json + safetensors (sharded or not),
+dense or AWQ/GPTQ 4-bit.
 
 No pickle, no trust_remote_code. q/k/v and gate/up are merged at load so each runs as one matmul; Phi-3
 checkpoints store them merged already (``qkv_proj``, ``gate_up_proj``, quantized as one matrix each in 4-bit
@@ -14,11 +15,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig, check_context_limit, read_folder_quantization_config
+from engine.config import GEMMA3, ModelConfig, check_context_limit, read_folder_quantization_config
 from engine.errors import EngineError
 from engine.layers.linear import Linear, Weight
 from engine.layers.rotary import cos_sin_cache
 from engine.models.fused_decode import fused_decode_unsupported
+from engine.models.gemma3 import Gemma3Model, unit_offset_norm_weight
 from engine.models.llama import DecoderLayer, LlamaModel
 from kernels.ops import Backend
 
@@ -107,12 +109,19 @@ def _input_projections(loader: WeightLoader, cfg: ModelConfig, p: str) -> tuple[
             loader.merged([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], h, with_bias=False))
 
 
+def _norm(loader: WeightLoader, cfg: ModelConfig, name: str, size: int) -> torch.Tensor:
+    """Norm weight ``name`` [size] in the activation dtype; Gemma's as the float32 1 + weight it scales by."""
+    weight = loader.store.require(f"{name}.weight", (size,)).to(loader.device, loader.dtype)
+    return unit_offset_norm_weight(weight) if cfg.architecture == GEMMA3 else weight
+
+
 def _load_layer(loader: WeightLoader, cfg: ModelConfig, i: int) -> DecoderLayer:
     p = f"model.layers.{i}"
     h, q_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    gemma = cfg.architecture == GEMMA3
 
     def norm(name: str, size: int = h) -> torch.Tensor:
-        return loader.store.require(f"{p}.{name}.weight", (size,)).to(loader.device, loader.dtype)
+        return _norm(loader, cfg, f"{p}.{name}", size)
 
     qkv_proj, gate_up_proj = _input_projections(loader, cfg, p)
     return DecoderLayer(
@@ -124,6 +133,8 @@ def _load_layer(loader: WeightLoader, cfg: ModelConfig, i: int) -> DecoderLayer:
         down_proj=loader.merged([f"{p}.mlp.down_proj"], [h], cfg.intermediate_size, with_bias=False),
         q_norm=norm("self_attn.q_norm", cfg.head_dim) if cfg.qk_norm else None,
         k_norm=norm("self_attn.k_norm", cfg.head_dim) if cfg.qk_norm else None,
+        pre_feedforward_layernorm=norm("pre_feedforward_layernorm") if gemma else None,
+        post_feedforward_layernorm=norm("post_feedforward_layernorm") if gemma else None,
     )
 
 
@@ -162,8 +173,12 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
         lm_head = embed
     else:
         lm_head = store.require("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)).to(device, dtype)
-    norm = store.require("model.norm.weight", (cfg.hidden_size,)).to(device, dtype)
-    model = LlamaModel(cfg, backend, embed, layers, norm, lm_head, rope)
+    norm = _norm(loader, cfg, "model.norm", cfg.hidden_size)
+    if cfg.architecture == GEMMA3:
+        local_rope = cos_sin_cache(cfg.rotary_dim, max_positions, cfg.local_rope_theta, None, device)
+        model = Gemma3Model(cfg, backend, embed, layers, norm, lm_head, rope, local_cos_sin_cache=local_rope)
+    else:
+        model = LlamaModel(cfg, backend, embed, layers, norm, lm_head, rope)
     if backend.use_triton and fuse_decode:  # the reference backend keeps its dense CPU weights for every step
         reason = fused_decode_unsupported(model)
         model.fuse_one_row_decode = reason is None

@@ -346,7 +346,7 @@ def test_qwen3_sliding_window_only_where_transformers_applies_it():
      "partial_rotary_factor"),
     ("Phi3ForCausalLM", {"rope_scaling": {**longrope(96), "type": "su"}},
      "'su' needs original_max_position_embeddings"),
-    ("Gemma3ForCausalLM", {}, "unsupported architecture"),
+    ("Gemma2ForCausalLM", {}, "unsupported architecture"),  # Gemma 3 runs (tests/test_gemma3.py)
 ])
 def test_configs_pagoda_cannot_run_exactly_are_refused(arch, fields, message):
     with pytest.raises(EngineError, match=message):

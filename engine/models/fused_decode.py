@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import GEMMA3
 from engine.forward_batch import ForwardBatch
 from engine.layers.linear import Linear, PackedInt4
 
@@ -24,6 +25,9 @@ def fused_decode_unsupported(model) -> str | None:
     """Why this model's one-row decode cannot use the fused layer (None when it can). Reads tensors: call at
     load time, not inside a graph capture."""
     cfg = model.config
+    if cfg.architecture == GEMMA3:  # the epilogues implement Llama's layer: x + o(attn), SiLU, w * norm(x)
+        return ("Gemma 3's layer (norms after attention and around the MLP, (1 + w) norms, GeGLU, two rope "
+                "tables) is not the fused layer's")
     if model.embed_tokens.dtype != torch.float16:
         return "activations are not fp16"
     if cfg.head_dim & (cfg.head_dim - 1):
@@ -79,7 +83,7 @@ def decode_one_row(model, batch: ForwardBatch, handoff: bool = ROW_SUMSQ_HANDOFF
     cfg = model.config
     eps = cfg.rms_norm_eps
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.attention_scale
     residual = model.embed_tokens[batch.input_ids]  # [1, hidden], updated in place by o and down
     sumsq = None  # the residual row's sum of squares as o / down left it (none yet for the embedding row)
     for index, layer in enumerate(model.layers):

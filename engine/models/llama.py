@@ -1,4 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4): forward over a ForwardBatch, paged KV.
+Gemma 3 subclasses it (engine/models/gemma3.py).
 
 Weights are plain tensors / ``Linear`` objects filled by engine/model_loader.py; every op goes through the
 ``Backend`` (Triton on CUDA, torch reference elsewhere). The model holds no per-request state: the KV
@@ -31,6 +32,15 @@ class DecoderLayer:
     down_proj: Linear
     q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's per-head RMSNorm of q before rotary
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for k
+    # Gemma 3 (engine/models/gemma3.py): the RMSNorms before and after the MLP; there every norm of the layer
+    # holds 1 + weight in float32 and post_attention_layernorm normalizes the attention output
+    pre_feedforward_layernorm: torch.Tensor | None = None  # [hidden]
+    post_feedforward_layernorm: torch.Tensor | None = None  # [hidden]
+
+    def norms(self) -> list[torch.Tensor]:
+        """Every norm weight the layer has."""
+        return [t for t in (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm,
+                            self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if t is not None]
 
 
 @dataclass
@@ -60,10 +70,10 @@ class LlamaModel:
         v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None:
             q, k = self.normalize_heads(layer, q, k)
-        q, k = self.rotate(batch.positions, q, k)
+        q, k = self.rotate(batch.positions, q, k, self.rope_table(index))
         k_cache, v_cache = self.kv_caches[index]
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-        scale = cfg.head_dim ** -0.5
+        scale = cfg.attention_scale
         window = cfg.window_of(index)
         if batch.is_decode:
             out = self.backend.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
@@ -82,15 +92,19 @@ class LlamaModel:
         k_rows, _ = self.backend.rms_norm(k.reshape(-1, head_dim), layer.k_norm, eps)
         return q_rows.view(q.shape), k_rows.view(k.shape)
 
-    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def rope_table(self, index: int) -> torch.Tensor:
+        """The cos/sin table layer ``index`` rotates by (one for every layer here; Gemma 3 has two)."""
+        return self.cos_sin_cache
+
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary on the first ``rotary_dim`` dims of each head (all of them but for partial rotary); the rest
-        passes through, as transformers' Phi-3 does."""
-        rotary_dim = self.cos_sin_cache.shape[-1]
+        """Rotary by ``table`` [max_positions, rotary_dim] on the first ``rotary_dim`` dims of each head (all of
+        them but for partial rotary); the rest passes through, as transformers' Phi-3 does."""
+        rotary_dim = table.shape[-1]
         if rotary_dim == q.shape[-1]:
-            return self.backend.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            return self.backend.rotary_embedding(positions, q, k, table)
         q_rot, k_rot = self.backend.rotary_embedding(positions, q[..., :rotary_dim], k[..., :rotary_dim],
-                                                     self.cos_sin_cache)  # [tokens, heads, rotary_dim]
+                                                     table)  # [tokens, heads, rotary_dim]
         return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
 
     def mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +131,6 @@ class LlamaModel:
         tensors = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
         total = sum(t.numel() * t.element_size() for t in tensors)
         for layer in self.layers:
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            norms += [t for t in (layer.q_norm, layer.k_norm) if t is not None]
-            total += sum(t.numel() * t.element_size() for t in norms)
+            total += sum(t.numel() * t.element_size() for t in layer.norms())
             total += sum(lin.nbytes() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
         return total
