@@ -224,6 +224,15 @@ def test_awq_build_loads_and_matches_dequantized_transformers(gemma3, tmp_path):
     assert engine_greedy(awq, prompts, 8) == transformers_dequantized_greedy(awq, prompts, 8)
 
 
+def test_quantizer_refuses_gemma3(gemma3, tmp_path):
+    """Its layer walk is Llama's (scales folded into input / post_attention_layernorm as w / s); Gemma's MLP
+    reads pre_feedforward_layernorm and its norms scale by 1 + w, so it refuses rather than build a wrong model."""
+    from engine.quant.quantizer import quantize_model
+
+    with pytest.raises(EngineError, match="the quantizer supports .*, not .'Gemma3ForCausalLM'."):
+        quantize_model(gemma3("gemma3-1b-form"), tmp_path / "out", "rtn", group_size=32, log=lambda msg: None)
+
+
 def test_fit_estimate_counts_what_the_loader_holds(gemma3):
     """engine/fit.py's weight estimate includes Gemma's extra norms, held in float32."""
     from engine.fit import estimate_weight_bytes

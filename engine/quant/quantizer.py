@@ -45,7 +45,9 @@ from engine.quant.rtn import check_group_size
 METHODS = ("awq", "gptq", "rtn")
 # Their decoder layers share the module names of engine/quant/layers.py (Qwen3's q/k norms sit inside
 # self_attn after q/k_proj, so scales folded into input_layernorm stay exact); Phi-3's fused qkv_proj and
-# gate_up_proj do not, and the quantizer refuses it.
+# gate_up_proj do not, and the quantizer refuses it. Gemma 3 is refused too: its MLP reads
+# pre_feedforward_layernorm (not post_attention_layernorm, which normalizes the attention output) and its norms
+# scale by 1 + weight, so AWQ's scales would fold into the wrong norm and the wrong way.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibration.txt"
 
