@@ -164,11 +164,13 @@ def _reduce_kernel(
     )
 
 
-def _config(block_size: int) -> dict:
-    """Keys per loop step and pipelining on a GPU: 64 keys (4 blocks of 16), 4 stages (measured best)."""
+def _config(block_size: int, head_dim: int = 128) -> dict:
+    """Keys per loop step and pipelining on a GPU: 64 keys (4 blocks of 16), 4 stages (measured best at head_dim
+    128). Heads wider than 128 (Gemma's 256) take 2 stages: 4 stages of 64-key K and V tiles would need 256 KB of
+    shared memory, more than a Hopper SM has (not yet timed on a GPU)."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    return {"BLOCK_N": max(64, block_size), "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_N": max(64, block_size), "num_warps": 4, "num_stages": 4 if head_dim <= 128 else 2}
 
 
 def choose_partition(num_seqs: int, num_kv_heads: int, max_ctx: int, block_n: int, sms: int) -> int:
@@ -211,7 +213,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     group_pad = max(16, next_pow2(group))
     block_d = next_pow2(head_dim)
-    cfg = dict(config or _config(block_size))
+    cfg = dict(config or _config(block_size, head_dim))
     cfg.setdefault("P_SPLIT", False)
     block_n = cfg.pop("BLOCK_N")
     max_ctx = block_tables.shape[1] * block_size
