@@ -120,12 +120,14 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # biases on q, k and v
     torch_dtype: str | None  # the dtype 'auto' starts from on a GPU (resolve_dtype): the checkpoint's, but see
     # _auto_dtype_source (Gemma 3 runs in bf16 whatever its checkpoint says)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization_config: dict | None = None
+    o_proj_bias: bool = False  # Llama's attention_bias also gives o_proj one (Qwen2's does not)
+    mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k (weights [head_dim]) before rotary
     fused_projections: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj as one matrix each
     partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * factor) dims of a head (Phi-4-mini)
@@ -192,6 +194,8 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 bos_token_id=cfg.get("bos_token_id"),
                 quantization_config=cfg.get("quantization_config"),
+                o_proj_bias=arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias")),
+                mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias")),
                 qk_norm=arch in (QWEN3, GEMMA3),
                 fused_projections=arch == PHI3,
                 partial_rotary_factor=_partial_rotary_factor(cfg, arch, rope_params),

@@ -106,7 +106,7 @@ def _input_projections(loader: WeightLoader, cfg: ModelConfig, p: str) -> tuple[
                 loader.merged([f"{p}.mlp.gate_up_proj"], [2 * inter], h, with_bias=False))
     return (loader.merged([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q_out, kv_out, kv_out], h,
                           with_bias=cfg.attention_bias),
-            loader.merged([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], h, with_bias=False))
+            loader.merged([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [inter, inter], h, with_bias=cfg.mlp_bias))
 
 
 def _norm(loader: WeightLoader, cfg: ModelConfig, name: str, size: int) -> torch.Tensor:
@@ -127,10 +127,10 @@ def _load_layer(loader: WeightLoader, cfg: ModelConfig, i: int) -> DecoderLayer:
     return DecoderLayer(
         input_layernorm=norm("input_layernorm"),
         qkv_proj=qkv_proj,
-        o_proj=loader.merged([f"{p}.self_attn.o_proj"], [h], q_out, with_bias=False),
+        o_proj=loader.merged([f"{p}.self_attn.o_proj"], [h], q_out, with_bias=cfg.o_proj_bias),
         post_attention_layernorm=norm("post_attention_layernorm"),
         gate_up_proj=gate_up_proj,
-        down_proj=loader.merged([f"{p}.mlp.down_proj"], [h], cfg.intermediate_size, with_bias=False),
+        down_proj=loader.merged([f"{p}.mlp.down_proj"], [h], cfg.intermediate_size, with_bias=cfg.mlp_bias),
         q_norm=norm("self_attn.q_norm", cfg.head_dim) if cfg.qk_norm else None,
         k_norm=norm("self_attn.k_norm", cfg.head_dim) if cfg.qk_norm else None,
         pre_feedforward_layernorm=norm("pre_feedforward_layernorm") if gemma else None,

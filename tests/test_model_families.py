@@ -76,18 +76,19 @@ PROMPT_LENGTHS = (5, 40, 70, 130)
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A random-weight checkpoint written by transformers (safetensors) with a word-level tokenizer."""
-    from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     config_cls, model_cls, shape = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, QWEN3_TINY),
                                     "phi3": (Phi3Config, Phi3ForCausalLM, PHI3_TINY),
                                     "mistral": (MistralConfig, MistralForCausalLM, LAYERS),
-                                    "qwen2": (Qwen2Config, Qwen2ForCausalLM, LAYERS)}[family]
+                                    "qwen2": (Qwen2Config, Qwen2ForCausalLM, LAYERS),
+                                    "llama": (LlamaConfig, LlamaForCausalLM, LAYERS)}[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**shape, **COMMON, **overrides}))
-    with torch.no_grad():  # norms start at one: make every norm weight (q_norm, k_norm too) count
+    with torch.no_grad():  # norms start at one and biases at zero: make every norm weight and bias count
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", ".bias")):
                 param.add_(0.3 * torch.randn_like(param))
     model.save_pretrained(folder, safe_serialization=True)
     write_word_tokenizer(folder, overrides.get("vocab_size", VOCAB))
@@ -231,6 +232,18 @@ def test_sliding_window_matches_transformers_past_the_window(tmp_path, family, w
     assert cfg.context_limit is None or cfg.context_limit.tokens > 512
     prompts = prompts_of((9, 40, 70, 130))
     assert engine_greedy(folder, prompts, 24) == transformers_greedy(folder, prompts, 24)
+
+
+def test_llama_attention_and_mlp_biases_match_transformers(tmp_path):
+    """Llama's attention_bias puts biases on q, k, v and o, its mlp_bias on gate, up and down: all are loaded."""
+    folder = build_checkpoint(tmp_path / "llama-bias", "llama", attention_bias=True, mlp_bias=True)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.0.self_attn.o_proj.bias", "model.layers.0.mlp.down_proj.bias"} <= names
+    prompts = prompts_of((9, 70))
+    assert engine_greedy(folder, prompts, 12) == transformers_greedy(folder, prompts, 12)
 
 
 def test_sliding_window_changes_the_tokens(tmp_path):
