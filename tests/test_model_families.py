@@ -76,8 +76,18 @@ PROMPT_LENGTHS = (5, 40, 70, 130)
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A random-weight checkpoint written by transformers (safetensors) with a word-level tokenizer."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     config_cls, model_cls, shape = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, QWEN3_TINY),
                                     "phi3": (Phi3Config, Phi3ForCausalLM, PHI3_TINY),
