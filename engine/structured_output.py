@@ -186,6 +186,62 @@ class _Constraint:
     done: bool = False  # complete (or broken): only EOS may follow
 
 
+class MarkerGuard:
+    """Keeps a grammar's opening marker (``starts_after``, e.g. ``</think>``) at a token boundary.
+
+    The grammar starts with the token after the one that completes the marker, so text that completing token
+    carries past the marker would reach no grammar: with SmolLM2's BPE, ``>"`` can end ``</think`` and put a
+    stray quote before the JSON. While a grammar waits, its row masks the tokens that would complete the marker
+    with text left over. The rows are computed once per marker, for each length of the marker's prefix the
+    output may end with (0: tokens holding the whole marker and more); most are all-allowed and skipped.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer  # engine.tokenizer.Tokenizer
+        self._vocab_size = vocab_size
+        self._texts: list[str] | None = None
+        self._rows: dict[str, list[np.ndarray | None]] = {}
+
+    def row_for(self, marker: str, output_token_ids: list[int]) -> np.ndarray | None:
+        """The bitmask row [words] int32 for an output that has not reached ``marker`` yet (None: no token
+        needs to be forbidden now)."""
+        tail = self._tokenizer.decode(output_token_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
+        return self._rows_of(marker)[_marker_prefix_length(tail, marker)]
+
+    def _rows_of(self, marker: str) -> list[np.ndarray | None]:
+        if marker not in self._rows:
+            self._rows[marker] = [self._row(marker, marker[:k]) for k in range(len(marker))]
+        return self._rows[marker]
+
+    def _row(self, marker: str, prefix: str) -> np.ndarray | None:
+        banned = [i for i, text in enumerate(self._token_texts()) if _leaves_text_past(prefix + text, marker)]
+        if not banned:
+            return None
+        words = (self._vocab_size + 31) // 32
+        bits = np.ones(words * 32, dtype=np.uint8)
+        bits[banned] = 0
+        return np.packbits(bits, bitorder="little").view(np.int32)  # bit i % 32 of word i // 32: token i
+
+    def _token_texts(self) -> list[str]:
+        if self._texts is None:
+            size = min(self._vocab_size, len(self._tokenizer.hf))
+            self._texts = [self._tokenizer.decode([i], skip_special_tokens=False) for i in range(size)]
+        return self._texts
+
+
+def _marker_prefix_length(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (shorter than the marker)."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def _leaves_text_past(text: str, marker: str) -> bool:
+    at = text.find(marker)
+    return at >= 0 and at + len(marker) < len(text)
+
+
 class StructuredOutputManager:
     """The matchers of an engine's constrained samples. Called from the engine's stepping thread only."""
 
@@ -196,6 +252,7 @@ class StructuredOutputManager:
         self._num_threads = num_threads or max(1, min(4, (os.cpu_count() or 2) - 1))
         self._executor = None
         self._constraints: dict[str, _Constraint] = {}
+        self._marker_guard = MarkerGuard(tokenizer, self.compiler.vocab_size)
 
     @property
     def num_requests(self) -> int:
@@ -218,7 +275,18 @@ class StructuredOutputManager:
     def mask_job(self, requests: list) -> MaskJob | None:
         """What ``token_masks`` computes, split so the llguidance call can run on another thread: this part (on
         the stepping thread) picks the rows and their matchers; ``MaskJob.run`` touches nothing else here."""
-        rows = [i for i, r in enumerate(requests) if self._applies(r.request_id)]
+        rows, waiting = [], {}  # waiting: row -> the marker guard's mask of a grammar not started yet
+        for i, request in enumerate(requests):
+            constraint = self._constraints.get(request.request_id)
+            if constraint is None:
+                continue
+            if constraint.starts_after is None:
+                rows.append(i)
+                continue
+            guard = self._marker_guard.row_for(constraint.starts_after, request.output_token_ids)
+            if guard is not None:
+                rows.append(i)
+                waiting[i] = guard
         if not rows:
             return None
         words = (self.compiler.vocab_size + 31) // 32
@@ -226,7 +294,9 @@ class StructuredOutputManager:
         live = []
         for k, i in enumerate(rows):
             constraint = self._constraints[requests[i].request_id]
-            if constraint.done:
+            if i in waiting:
+                bitmask[k] = waiting[i]
+            elif constraint.done:
                 self._allow_eos_only(bitmask[k])
             else:
                 live.append((constraint.matcher, k))
@@ -281,10 +351,6 @@ class StructuredOutputManager:
             constraint.done = True
         elif constraint.matcher.is_stopped():
             constraint.done = True
-
-    def _applies(self, request_id: str) -> bool:
-        constraint = self._constraints.get(request_id)
-        return constraint is not None and constraint.starts_after is None
 
     def _allow_eos_only(self, row: np.ndarray) -> None:
         row[:] = 0

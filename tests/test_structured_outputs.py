@@ -205,3 +205,47 @@ def test_grammars_survive_preemption_and_n_samples(default_model_dir):
             assert sample.finish_reason == "stop" and re.fullmatch(pattern, sample.text), sample.text
     assert llm.engine.structured.num_requests == 0  # every matcher freed
     assert llm.engine.structured.compiler.num_cached == 1  # one compile for six matchers
+
+
+def test_a_grammar_opens_at_a_token_boundary_after_its_marker(default_model_dir):
+    """SmolLM2's BPE has tokens like '>"' that can end '</think'; the grammar would start after that token and
+    never see its quote. While a grammar waits for its marker, such tokens are masked: the marker must end a token
+    (the default model's tokenizer, a JSON-schema constraint that starts after </think>)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from engine.structured_output import StructuredOutputManager, StructuredOutputsParams
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_dir)
+    manager = StructuredOutputManager(tokenizer, len(tokenizer.hf), (2,))
+    params = StructuredOutputsParams.from_schema({"type": "object"}, starts_after="</think>")
+    manager.add(["r"], params)
+    ids = tokenizer.hf.encode
+
+    def allowed(output_text: str) -> tuple[set[int], set[int]] | None:
+        request = SimpleNamespace(request_id="r", output_token_ids=ids(output_text, add_special_tokens=False))
+        masks = manager.token_masks([request])
+        if masks is None:
+            return None
+        bits = np.unpackbits(masks.bitmask[0].view(np.uint8), bitorder="little")
+        return {i for i in range(len(bits)) if bits[i]}, {i for i in range(len(bits)) if not bits[i]}
+
+    quote_close = ids('>"', add_special_tokens=False)
+    close = ids(">", add_special_tokens=False)
+    assert len(quote_close) == 1 and len(close) == 1  # one token each in this vocabulary
+    ok, banned = allowed("Let me think about it.</think")
+    assert quote_close[0] in banned and close[0] in ok
+    for token in banned:  # every banned token finishes the marker and carries text past it
+        text = "</think" + tokenizer.decode([token], skip_special_tokens=False)
+        assert "</think>" in text and not text.endswith("</think>")
+    assert len(banned) < 200
+    # far from the marker the reasoning samples freely, unless a token holds the whole marker and more
+    free = allowed("Let me think about it")
+    if free is not None:
+        assert all("</think>" in tokenizer.decode([t], skip_special_tokens=False) for t in free[1])
+    # once the marker is out, the grammar has the row
+    request = SimpleNamespace(request_id="r", output_token_ids=ids("Thinking.</think>", add_special_tokens=False))
+    manager.accept(request, request.output_token_ids[-1])
+    assert manager.token_masks([request]) is not None
