@@ -363,13 +363,16 @@ def _rope_scaling(cfg: dict, arch: str, rope_params: dict) -> dict | None:
     Phi3Config renames ``su`` and ``yarn`` to ``longrope``. ``original_max_position_embeddings``: for Phi-3
     transformers puts the top-level field (default 4096) over the rope dict's, except under the old name ``su``;
     elsewhere the rope dict's, else ``max_position_embeddings``. A longrope ``factor`` defaults to
-    max / original positions (it sets the attention factor). Default, linear and llama3 dicts pass unchanged.
+    max / original positions (it sets the attention factor). llama3 without the field uses
+    ``max_position_embeddings`` as transformers does. Default and linear dicts pass unchanged.
     """
     scaling = cfg.get("rope_scaling") or _rope_scaling_from_parameters(rope_params)
     if not scaling:
         return None
     named = scaling.get("rope_type") or scaling.get("type")
     kind = "longrope" if arch == PHI3 and named in ("su", "yarn") else named
+    if kind == "llama3" and not scaling.get("original_max_position_embeddings"):
+        return dict(scaling, original_max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)))
     if kind not in ("longrope", "yarn", "dynamic"):
         return scaling
     resolved = dict(scaling, rope_type=kind)

@@ -350,6 +350,13 @@ def test_phi4_mini_and_su_configs():
     assert window.max_position_embeddings == 4096 and window.window_of(0) == 2047
 
 
+def test_llama3_rope_without_its_original_length_uses_max_positions_as_transformers_does():
+    # transformers 5 writes the resolved field into config.json; older configs may lack it
+    scaling = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+    cfg = ModelConfig.from_dict(hub_config("LlamaForCausalLM", max_position_embeddings=131072, rope_scaling=scaling))
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 131072
+
+
 def test_qwen3_sliding_window_only_where_transformers_applies_it():
     qwen = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 2,
                 "max_position_embeddings": 40960, "sliding_window": 4096, "max_window_layers": 1}
