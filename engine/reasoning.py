@@ -65,7 +65,7 @@ class ReasoningSplitter:
             reasoning, content = self._buffer[:end], self._buffer[end + len(THINK_END):].lstrip("\n")
             self._buffer, self._done = "", True
             return reasoning, content
-        keep = _prefix_tail(self._buffer, THINK_END)
+        keep = marker_prefix_length(self._buffer, THINK_END)
         reasoning, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
         return reasoning, ""
 
@@ -94,7 +94,9 @@ def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str]:
     return (reasoning + more_reasoning if splitter.had_reasoning else None), content + more_content
 
 
-def _prefix_tail(text: str, marker: str) -> int:
+def marker_prefix_length(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (shorter than the marker): the text a stream
+    holds back because the next piece may complete the marker."""
     for length in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-length:]):
             return length

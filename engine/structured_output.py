@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.errors import EngineError
+from engine.reasoning import marker_prefix_length
 
 log = logging.getLogger("pagoda.structured_output")
 
@@ -206,7 +207,7 @@ class MarkerGuard:
         """The bitmask row [words] int32 for an output that has not reached ``marker`` yet (None: no token
         needs to be forbidden now)."""
         tail = self._tokenizer.decode(output_token_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
-        return self._rows_of(marker)[_marker_prefix_length(tail, marker)]
+        return self._rows_of(marker)[marker_prefix_length(tail, marker)]
 
     def _rows_of(self, marker: str) -> list[np.ndarray | None]:
         if marker not in self._rows:
@@ -227,14 +228,6 @@ class MarkerGuard:
             size = min(self._vocab_size, len(self._tokenizer.hf))
             self._texts = [self._tokenizer.decode([i], skip_special_tokens=False) for i in range(size)]
         return self._texts
-
-
-def _marker_prefix_length(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker`` (shorter than the marker)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def _leaves_text_past(text: str, marker: str) -> bool:

@@ -17,6 +17,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from engine.reasoning import marker_prefix_length
 from engine.serving.errors import APIError
 from engine.structured_output import StructuredOutputsParams
 
@@ -276,7 +277,7 @@ class ToolCallStream:
         """Hermes, outside a block."""
         start = self._buffer.find(_OPEN)
         if start < 0:
-            cut = len(self._buffer) - _marker_prefix_length(self._buffer, _OPEN)
+            cut = len(self._buffer) - marker_prefix_length(self._buffer, _OPEN)
             content.append(self._release(self._buffer[:cut]))
             self._buffer = self._buffer[cut:]
             return False
@@ -337,7 +338,7 @@ class ToolCallStream:
         if self.format == HERMES:
             end = self._buffer.find(_CLOSE)
             if end < 0:
-                self._buffer = self._buffer[len(self._buffer) - _marker_prefix_length(self._buffer, _CLOSE):]
+                self._buffer = self._buffer[len(self._buffer) - marker_prefix_length(self._buffer, _CLOSE):]
                 return False
             self._buffer, self._phase = self._buffer[end + len(_CLOSE):], "text"
             return True
@@ -439,14 +440,6 @@ def _json_string(body: str) -> str | None:
         return json.loads(f'"{body}"')
     except json.JSONDecodeError:
         return None
-
-
-def _marker_prefix_length(text: str, marker: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def plain_history(messages: list[dict], chat_template: str | None) -> list[dict]:
