@@ -26,7 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import autotune_disk_cache, cdiv, interpreting, launch, next_pow2, num_sms
+from kernels.triton.common import (
+    autotune_disk_cache,
+    cdiv,
+    interpreting,
+    largest_pow2_divisor,
+    launch,
+    next_pow2,
+    num_sms,
+    split_k,
+)
 from kernels.triton.w4a16_planes import (
     LOCK_PERIOD,
     lock_buffer,
@@ -326,10 +335,7 @@ def _dequant_kernel(
 def _k_unit(group_size: int) -> int:
     """Largest power of two <= 128 dividing the group size: every BLOCK_K divides it, and splits cover whole
     units, so each K step stays inside one group."""
-    unit = 128
-    while group_size % unit:
-        unit //= 2
-    return unit
+    return largest_pow2_divisor(group_size, 128)
 
 
 def gemv_config(m: int, n: int, k: int, group_size: int, sms: int) -> dict:
@@ -358,13 +364,6 @@ def gemv_config(m: int, n: int, k: int, group_size: int, sms: int) -> dict:
         "num_stages": 4,
         "split": split,
     }
-
-
-def _split_k(k: int, unit: int, split: int) -> tuple[int, int]:
-    """(k_per_split, splits) with each split a whole number of ``unit``s."""
-    units = k // unit
-    per = cdiv(units, max(1, min(split, units))) * unit
-    return per, cdiv(k, per)
 
 
 def dequantize(
@@ -463,7 +462,7 @@ def _gemv(x, args, out, m, n, k, group_size, has_perm, cfg):
     """M <= 16: returns (fp32 partials, splits) when split-K needs a reduce, else None."""
     kind, split = cfg.pop("kernel"), cfg.pop("split")
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], _k_unit(group_size))
-    k_per_split, split = _split_k(k, _k_unit(group_size), split)
+    k_per_split, split = split_k(k, _k_unit(group_size), split)
     dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     if kind == "m1" and m == 1:
         tiles = cdiv(n, cfg["BLOCK_N"])
@@ -508,7 +507,7 @@ def _tc(x, args, out, m, n, k, group_size, has_perm, sms):
     m_bucket = min(256, next_pow2(m))
     tiles = cdiv(m, min(m_bucket, 128)) * cdiv(n, 128)
     split = max(1, min(cdiv(sms, tiles), 8)) if m <= 64 else 1
-    k_per_split, split = _split_k(k, _k_unit(group_size), split)
+    k_per_split, split = split_k(k, _k_unit(group_size), split)
     dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
 
     def grid(meta):

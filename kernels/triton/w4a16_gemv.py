@@ -40,7 +40,7 @@ try:  # programmatic dependent launch (Triton >= 3.3)
 except ImportError:  # pragma: no cover (older Triton: launched without PDL)
     _HAS_GDC = False
 
-from kernels.triton.common import cdiv, interpreting, next_pow2, num_sms
+from kernels.triton.common import cdiv, interpreting, largest_pow2_divisor, next_pow2, num_sms, split_k
 from kernels.triton.w4a16_planes import LOCK_PERIOD, lock_buffer
 
 STORE: tl.constexpr = tl.constexpr(0)  # epilogues
@@ -343,27 +343,11 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 32, max(1, min(2, k // 32)), 1)
     block_n = max(128, head_dim or 1)  # 256 columns took 168 registers a thread: 3 programs per SM, not 4
-    block_k = _k_step(k, 128)
+    block_k = largest_pow2_divisor(k, 128)  # the K loop needs no row mask
     tiles = cdiv(n, block_n)
     steps = k // block_k
     split = max(1, min(steps // 2, cdiv(programs_per_sm * sms, tiles), 64))
     return GemvPlan(block_n, block_k, split, 4)
-
-
-def _k_step(k: int, largest: int) -> int:
-    """The largest power of two <= ``largest`` (and >= 32) dividing K: the K loop needs no row mask, and a step
-    either lies inside one group or covers whole groups (group sizes are powers of two or K itself)."""
-    step = largest
-    while k % step:
-        step //= 2
-    return step
-
-
-def _split_k(k: int, block_k: int, split: int) -> tuple[int, int]:
-    """(k_per_split, splits) with each split a whole number of K steps."""
-    steps = k // block_k
-    per = cdiv(steps, max(1, min(split, steps))) * block_k
-    return per, cdiv(k, per)
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -416,10 +400,10 @@ def w4a16_gemv(
     x = x.contiguous()
     head_dim = rope["head_dim"] if rope is not None else None
     plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim)
-    block_k = _k_step(k, plan.block_k)
+    block_k = largest_pow2_divisor(k, plan.block_k)
     if block_k % group_size and group_size % block_k:
         raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
-    k_per_split, splits = _split_k(k, block_k, plan.split)
+    k_per_split, splits = split_k(k, block_k, plan.split)
     tiles = cdiv(n, plan.block_n)
     if plan.block_n & (plan.block_n - 1):
         raise ValueError(f"w4a16_gemv: column tile {plan.block_n} is not a power of two")

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.common import split_k
+
 LOCK_PERIOD: tl.constexpr = tl.constexpr(1024)  # split-K counters advance by this per call (a power of 2 >= splits)
 LOCK_ATTR = "_pagoda_planes_lock"
 
@@ -257,11 +259,7 @@ def planes_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     cfg = dict(cfg)
     split, serial = cfg.pop("split"), cfg.pop("serial")
     reuse_lock = cfg.pop("reuse_lock", True)
-    block_k = cfg["BLOCK_K"]
-    units = k // block_k
-    split = max(1, min(split, units))
-    per = triton.cdiv(units, split) * block_k
-    split = triton.cdiv(k, per)
+    per, split = split_k(k, cfg["BLOCK_K"], split)
     serial = serial and split <= LOCK_PERIOD.value
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if split > 1:
