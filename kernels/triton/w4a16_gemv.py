@@ -317,10 +317,10 @@ def _gemv_kernel(
             total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
             if EPILOGUE == RESIDUAL:
                 total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-            y = total.to(tl.float16)
-            tl.store(out_ptr + rn, y, mask=n_mask)
+            row = total.to(tl.float16)
+            tl.store(out_ptr + rn, row, mask=n_mask)
             if SUMSQ_OUT:  # this tile's share of the row's sum of squares, for the next launch's RMSNorm
-                yf = tl.where(n_mask, y.to(tl.float32), 0.0)
+                yf = tl.where(n_mask, row.to(tl.float32), 0.0)
                 tl.store(sumsq_out_ptr + pid_n, tl.sum(yf * yf, axis=0))
         tl.atomic_add(lock_ptr + counter, lock_rest, sem="relaxed", scope="gpu")  # LOCK_PERIOD - arrivals
 

@@ -1,0 +1,80 @@
+"""Compile a Triton kernel for Hopper (sm_90) on a machine without a GPU, and read its register use.
+
+Why: the interpreter runs a kernel's arithmetic but not Triton's code generator, so a kernel can pass every CPU
+test and still fail to compile on the GPU (a variable retyped in one branch of an ``if`` did, in session 6).
+Triton's wheel carries ptxas and cuobjdump, so the whole pipeline (ttir, ttgir, PTX, cubin) runs here; the
+register count is what decides how many programs share an SM, the first thing a GEMV's speed depends on.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+                 torch.int64: "*i64"}
+
+
+@dataclass(frozen=True)
+class Constexpr:
+    """A compile-time argument's value."""
+
+    value: object
+
+
+@dataclass(frozen=True)
+class HopperKernel:
+    registers: int  # per thread
+    spilled_bytes: int  # local memory per thread (spills)
+    shared_bytes: int
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, Constexpr):
+        return "constexpr"
+    if isinstance(value, torch.dtype):
+        return POINTER_TYPES[value]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def compile_for_hopper(kernel, args: dict, num_warps: int = 4) -> HopperKernel:
+    """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90: ``args`` maps every argument name to a tensor
+    dtype (a pointer), an int / float (a runtime scalar) or a ``Constexpr``. Raises Triton's CompilationError."""
+    missing = set(kernel.arg_names) - set(args)
+    if missing:
+        raise ValueError(f"compile_for_hopper: no value for {sorted(missing)}")
+    signature = {name: _arg_type(args[name]) for name in kernel.arg_names}
+    constexprs = {name: value.value for name, value in args.items() if isinstance(value, Constexpr)}
+    source = ASTSource(kernel, signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    return _resource_usage(compiled.asm["cubin"])
+
+
+def _resource_usage(cubin: bytes) -> HopperKernel:
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", file.name], capture_output=True,
+                                text=True, check=True).stdout
+
+    def field(name: str) -> int:
+        match = re.search(rf"\b{name}:(\d+)", report)
+        return int(match.group(1)) if match else 0
+
+    return HopperKernel(field("REG"), field("LOCAL"), field("SHARED"))
