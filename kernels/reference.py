@@ -203,9 +203,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None,
-               row_sumsq: torch.Tensor | None = None, return_row_sumsq: bool = False
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None) -> torch.Tensor:
     """One-row W4A16 matmul with the decode layer's neighbours fused, as the unfused ops compute it.
 
     x: [1, K]. ``norm_weight`` [K]: x is RMS-normalised first (``rms_norm(x, norm_weight, eps)[0]``).
@@ -213,17 +211,10 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     columns; returns ``silu_and_mul(y)`` [1, N // 2]. ``rope``: the weight is qkv; dict(positions [1],
     slot_mapping [1], cos_sin_cache, k_cache, v_cache, q_size, kv_size, head_dim): rotary q and k, k and v
     written to the slot, returns q [1, q_size]. Otherwise returns y [1, N].
-    ``return_row_sumsq`` (plain or residual output): also returns float32 parts whose sum is the output row's sum
-    of squares; ``row_sumsq``, such parts for x, may spare the kernel its reduction (the result is the same).
     """
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)[0]
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, perm)  # [1, N] in x's dtype
-    if return_row_sumsq:
-        if silu or rope is not None:
-            raise ValueError("w4a16_gemv: the row's sum of squares comes with a plain or residual output only")
-        out = y if residual is None else residual.copy_(y + residual)
-        return out, out.float().pow(2).sum(-1)  # parts: [1]
     if residual is not None:
         return residual.copy_(y + residual)
     if silu:

@@ -6,10 +6,9 @@ attention, o, norm, gate/up, SiLU, down); here the one-row GEMV (kernels/triton/
 neighbours: the RMSNorm in its prologue, rotary + the KV-cache write, the residual add or SiLU x up in its
 epilogue. What is left per layer: qkv, attention, o, gate/up, down.
 
-The residual stream is one [1, hidden] tensor that the o and down launches add into in place, handing the next
-RMSNorm the row's sum of squares (so no launch reduces the whole row but the first); the arithmetic
-and its roundings are those of the unfused ops (``reference.w4a16_gemv`` composes them), so the reference
-backend runs this path too and tests compare it with the unfused forward.
+The residual stream is one [1, hidden] tensor that the o and down launches add into in place. The arithmetic is
+that of the unfused ops up to fp16 rounding (``reference.w4a16_gemv`` composes them), so the reference backend
+runs this path too and tests compare it with the unfused forward.
 """
 
 from __future__ import annotations
@@ -63,42 +62,26 @@ def _gemv(model, linear: Linear, x: torch.Tensor, **fused) -> torch.Tensor:
                                     **fused)
 
 
-# The row's sum of squares handed from o / down to the next RMSNorm: checked under the interpreter and on CPU,
-# not yet compiled and timed on a GPU (the session that wrote it had no device time left), so off by default.
-ROW_SUMSQ_HANDOFF = False
-
-
-def _residual_gemv(model, linear: Linear, x: torch.Tensor, residual: torch.Tensor, handoff: bool):
-    """residual += x @ W in place; returns the new row's sum-of-squares parts when handing them off, else None."""
-    if not handoff:
-        _gemv(model, linear, x, residual=residual)
-        return None
-    return _gemv(model, linear, x, residual=residual, return_row_sumsq=True)[1]
-
-
 @torch.inference_mode()
-def decode_one_row(model, batch: ForwardBatch, handoff: bool = ROW_SUMSQ_HANDOFF) -> torch.Tensor:
-    """Logits [1, vocab] float32 of a decode step of one sequence (``batch`` has one token). ``handoff``: the
-    o and down launches leave the row's sum of squares for the next launch's RMSNorm."""
+def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
+    """Logits [1, vocab] float32 of a decode step of one sequence (``batch`` has one token)."""
     cfg = model.config
     eps = cfg.rms_norm_eps
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     scale = cfg.attention_scale
     residual = model.embed_tokens[batch.input_ids]  # [1, hidden], updated in place by o and down
-    sumsq = None  # the residual row's sum of squares as o / down left it (none yet for the embedding row)
     for index, layer in enumerate(model.layers):
         k_cache, v_cache = model.kv_caches[index]
         rope = {"positions": batch.positions, "slot_mapping": batch.slot_mapping, "cos_sin_cache": model.cos_sin_cache,
                 "k_cache": k_cache, "v_cache": v_cache, "q_size": q_size, "kv_size": kv_size,
                 "head_dim": cfg.head_dim}
-        q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, row_sumsq=sumsq,
-                  rope=rope)  # [1, q_size]
+        q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, rope=rope)  # [1, q_size]
         attn = model.backend.paged_decode_attention(q.view(1, cfg.num_heads, cfg.head_dim), k_cache, v_cache,
                                                     batch.block_tables, batch.context_lens, scale,
                                                     cfg.window_of(index))
-        sumsq = _residual_gemv(model, layer.o_proj, attn.reshape(1, q_size), residual, handoff)
+        _gemv(model, layer.o_proj, attn.reshape(1, q_size), residual=residual)
         act = _gemv(model, layer.gate_up_proj, residual, norm_weight=layer.post_attention_layernorm, eps=eps,
-                    row_sumsq=sumsq, silu=True)  # [1, intermediate]
-        sumsq = _residual_gemv(model, layer.down_proj, act, residual, handoff)
+                    silu=True)  # [1, intermediate]
+        _gemv(model, layer.down_proj, act, residual=residual)
     hidden, _ = model.backend.rms_norm(residual, model.norm, eps)
     return torch.nn.functional.linear(hidden, model.lm_head).float()

@@ -13,9 +13,12 @@ in packed half2 arithmetic:
 - Split-K sized from the SM count; each program stores its fp32 partial and takes a ticket, and the last one to
   arrive for a column tile sums the partials and runs the epilogue (no second kernel, no memset: the ticket
   counters live on the weight and are left at multiples of LOCK_PERIOD, so the launch is CUDA-graph safe).
-- Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own: from the sum of
-  squares the producing launch left in per-tile parts (``return_row_sumsq``), or reduced over the row by every
-  program when there is none (the first layer).
+- Activations: x is read as 32-bit words (two fp16 each) and each packed row's four pairs (x[8r + j],
+  x[8r + j + 4]) are two bit operations on them. Gathering the pairs element by element cost ~60 of the ~86
+  instructions a packed word took (SASS of the main loop), so the loop was issue-bound, not memory-bound.
+- Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own. 1 / rms is a
+  scalar of the row: the loop multiplies the words of x and the norm weight in half2 and the partial sums take
+  1 / rms after the loop, so the row's reduction (every program does it) is off the loop's critical path.
 - Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down), ``SILU``
   (gate and up tiles share one counter; the last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the
   q and k columns, k and v written to their KV-cache slot, q stored; a tile holds whole heads, so each rotary
@@ -133,25 +136,52 @@ def _inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _x_column(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM: tl.constexpr, HAS_PERM: tl.constexpr):
-    # x[cols] in fp16 [R]; with NORM, weight * fp16(x * inv_rms) as reference.rms_norm rounds it
-    if HAS_PERM:
-        src = tl.load(perm_ptr + cols)
-    else:
-        src = cols
+def _x_column(x_ptr, norm_ptr, perm_ptr, cols, NORM: tl.constexpr):
+    # x[perm[cols]] in fp16 [R] (act-order); with NORM, times the norm weight
+    src = tl.load(perm_ptr + cols)
     x = tl.load(x_ptr + src)
     if NORM:
-        normed = (x.to(tl.float32) * inv_rms).to(tl.float16)
-        x = tl.load(norm_ptr + src) * normed
+        x = tl.load(norm_ptr + src) * x
     return x
 
 
 @triton.jit
-def _x_pair(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM: tl.constexpr, HAS_PERM: tl.constexpr):
-    # half2 (x[cols], x[cols + 4]) as int32 [R]
-    lo = _x_column(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM, HAS_PERM)
-    hi = _x_column(x_ptr, norm_ptr, perm_ptr, cols + 4, inv_rms, NORM, HAS_PERM)
+def _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, NORM: tl.constexpr):
+    # half2 (x[perm[cols]], x[perm[cols + 4]]) as int32 [R]: act-order reads x element by element
+    lo = _x_column(x_ptr, norm_ptr, perm_ptr, cols, NORM)
+    hi = _x_column(x_ptr, norm_ptr, perm_ptr, cols + 4, NORM)
     return _half_bits(lo) | (_half_bits(hi) << 16)
+
+
+@triton.jit
+def _hmul2(a, b, USE_ASM: tl.constexpr):
+    # half2 product of two int32 words holding fp16 pairs (round to nearest, as fp16 multiplies round)
+    if USE_ASM:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    lo = (_half_to_f32(a & 0xFFFF) * _half_to_f32(b & 0xFFFF)).to(tl.float16)  # fp16 x fp16 is exact in fp32
+    hi = (_half_to_f32((a >> 16) & 0xFFFF) * _half_to_f32((b >> 16) & 0xFFFF)).to(tl.float16)
+    return _half_bits(lo) | (_half_bits(hi) << 16)
+
+
+@triton.jit
+def _x_word_pairs(xw_ptr, nw_ptr, rows, NORM: tl.constexpr, USE_ASM: tl.constexpr):
+    # the four half2 pairs (x[8r + j], x[8r + j + 4]), j = 0..3, of packed rows r [R] from x's 32-bit words
+    # [K / 2] (word 4r + i holds x[8r + 2i], x[8r + 2i + 1]); with NORM, x times the norm weight in half2
+    w0 = tl.load(xw_ptr + rows * 4)
+    w1 = tl.load(xw_ptr + rows * 4 + 1)
+    w2 = tl.load(xw_ptr + rows * 4 + 2)
+    w3 = tl.load(xw_ptr + rows * 4 + 3)
+    if NORM:
+        w0 = _hmul2(w0, tl.load(nw_ptr + rows * 4), USE_ASM)
+        w1 = _hmul2(w1, tl.load(nw_ptr + rows * 4 + 1), USE_ASM)
+        w2 = _hmul2(w2, tl.load(nw_ptr + rows * 4 + 2), USE_ASM)
+        w3 = _hmul2(w3, tl.load(nw_ptr + rows * 4 + 3), USE_ASM)
+    x04 = (w0 & 0xFFFF) | (w2 << 16)
+    x15 = ((w0 >> 16) & 0xFFFF) | (w2 & -65536)  # -65536: 0xFFFF0000 as int32
+    x26 = (w1 & 0xFFFF) | (w3 << 16)
+    x37 = ((w1 >> 16) & 0xFFFF) | (w3 & -65536)
+    return x04, x15, x26, x37
 
 
 @triton.jit
@@ -212,6 +242,23 @@ def _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0, k_end, rr, rn, n_mask, N, GR
 
 
 @triton.jit
+def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    # the K step at k0: sum over its packed rows r of x[8r .. 8r + 7] . (codes - zero) * scale, fp32 [R, BN]
+    if HAS_PERM:
+        cols = k0 + rr * 8
+        x04 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, NORM)
+        x15 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 1, NORM)
+        x26 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 2, NORM)
+        x37 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 3, NORM)
+    else:
+        x04, x15, x26, x37 = _x_word_pairs(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
+                                           norm_ptr.to(tl.pointer_type(tl.int32), bitcast=True), k0 // 8 + rr,
+                                           NORM, USE_ASM)
+    return _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, USE_ASM) * s
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -227,9 +274,6 @@ def _gemv_kernel(
     slot_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    sumsq_in_ptr,
-    sumsq_out_ptr,
-    num_parts,
     N,
     K,
     k_per_split,
@@ -249,8 +293,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    PARTS_BLOCK: tl.constexpr,
-    SUMSQ_OUT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr
     pid_n = tl.program_id(0)
@@ -262,33 +305,29 @@ def _gemv_kernel(
     rr = tl.arange(0, R)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
-    # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch
-    qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k_start, k_end, rr, rn, n_mask, N, GROUP, ROW_GROUPS)
+    if STAGES == 1:
+        # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
+        # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch; each step
+        # then loads the next one's into registers while it computes
+        qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k_start, k_end, rr, rn, n_mask, N, GROUP,
+                                 ROW_GROUPS)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    inv_rms = 1.0
-    if NORM:
-        if PARTS_BLOCK > 0:  # the producer of x left its sum of squares in parts: no row reduction here
-            parts = tl.load(sumsq_in_ptr + tl.arange(0, PARTS_BLOCK), mask=tl.arange(0, PARTS_BLOCK) < num_parts,
-                            other=0.0)
-            inv_rms = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / K + eps)
-        else:
-            inv_rms = _inv_rms(x_ptr, K, eps, NORM_BLOCK)
     acc = tl.zeros([R, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        # the next step's weights are in flight while this step computes (masked past the split's end)
-        qw_next, s_next, zz_next = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end, rr, rn, n_mask,
-                                                N, GROUP, ROW_GROUPS)
-        cols = k0 + rr * 8
-        x04 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols, inv_rms, NORM, HAS_PERM)
-        x15 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols + 1, inv_rms, NORM, HAS_PERM)
-        x26 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols + 2, inv_rms, NORM, HAS_PERM)
-        x37 = _x_pair(x_ptr, norm_ptr, perm_ptr, cols + 3, inv_rms, NORM, HAS_PERM)
-        acc += _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, USE_ASM) * s
-        qw, s, zz = qw_next, s_next, zz_next
+    if STAGES == 1:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            qw_next, s_next, zz_next = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end, rr, rn,
+                                                    n_mask, N, GROUP, ROW_GROUPS)  # masked past the split's end
+            acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM, HAS_PERM, USE_ASM)
+            qw, s, zz = qw_next, s_next, zz_next
+    else:  # Triton's pipeliner keeps STAGES - 1 steps of weights in flight through shared memory
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0, k_end, rr, rn, n_mask, N, GROUP, ROW_GROUPS)
+            acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM, HAS_PERM, USE_ASM)
     y = tl.sum(acc, axis=0)  # [BLOCK_N]
+    if NORM:  # rmsnorm(x) . W = (weight * x) . W / rms(x): the row's scalar comes last
+        y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
     tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
     tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
     num_tiles = tl.num_programs(0)
@@ -317,11 +356,7 @@ def _gemv_kernel(
             total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
             if EPILOGUE == RESIDUAL:
                 total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-            row = total.to(tl.float16)
-            tl.store(out_ptr + rn, row, mask=n_mask)
-            if SUMSQ_OUT:  # this tile's share of the row's sum of squares, for the next launch's RMSNorm
-                yf = tl.where(n_mask, row.to(tl.float32), 0.0)
-                tl.store(sumsq_out_ptr + pid_n, tl.sum(yf * yf, axis=0))
+            tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
         tl.atomic_add(lock_ptr + counter, lock_rest, sem="relaxed", scope="gpu")  # LOCK_PERIOD - arrivals
 
 
@@ -333,6 +368,7 @@ class GemvPlan:
     block_k: int
     split: int
     num_warps: int
+    stages: int = 1  # 1: the next K step prefetched into registers; >= 2: Triton's shared-memory pipeline
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None,
@@ -374,10 +410,8 @@ def w4a16_gemv(
     residual: torch.Tensor | None = None,
     silu: bool = False,
     rope: dict | None = None,
-    row_sumsq: torch.Tensor | None = None,
-    return_row_sumsq: bool = False,
     plan: GemvPlan | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """y = x @ W for one row, with optional fused neighbours.
 
     x [1, K] fp16; qweight [K // 8, N] int32; scales, zeros [K // G, N] fp16 (integer zeros); perm [K] | None.
@@ -385,9 +419,7 @@ def w4a16_gemv(
     residual [1, N]: returns residual += y (in place). silu: W holds gate then up columns: returns
     silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
     k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim): W is qkv; writes rotary k and v
-    to the slot and returns rotary q [1, q_size]. ``return_row_sumsq`` (with ``residual`` or a plain y): also
-    returns fp32 parts [tiles] whose sum is the output row's sum of squares; given back as ``row_sumsq`` with
-    ``norm_weight`` to the next launch, its RMSNorm needs no reduction over the row (which cost 4-6 us a launch).
+    to the slot and returns rotary q [1, q_size].
     """
     k = x.shape[1]
     n = qweight.shape[1]
@@ -422,11 +454,6 @@ def w4a16_gemv(
     else:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    sumsq_out = None
-    if return_row_sumsq:
-        if epilogue not in (STORE.value, RESIDUAL.value):
-            raise ValueError("w4a16_gemv: the row's sum of squares comes with a plain or residual output only")
-        sumsq_out = torch.empty((tiles,), dtype=torch.float32, device=x.device)
     pdl = pdl_supported(x.device)
     lock = lock_buffer(qweight, tiles, reuse=True)
     dummy = qweight
@@ -435,15 +462,11 @@ def w4a16_gemv(
         norm_weight if norm_weight is not None else dummy,
         extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
         extra.get("k_cache", dummy), extra.get("v_cache", dummy),
-        row_sumsq if row_sumsq is not None else part, sumsq_out if sumsq_out is not None else part,
-        row_sumsq.numel() if row_sumsq is not None else 0,
         n, k, k_per_split, splits, LOCK_PERIOD.value - splits * (2 if epilogue == SILU.value else 1), float(eps),
         GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
         HEAD_DIM=head_dim or 1, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
-        NORM_BLOCK=next_pow2(k) if norm_weight is not None and row_sumsq is None else 1,
-        PARTS_BLOCK=next_pow2(row_sumsq.numel()) if norm_weight is not None and row_sumsq is not None else 0,
-        SUMSQ_OUT=sumsq_out is not None, num_warps=plan.num_warps,
+        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, STAGES=plan.stages, num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
-    return (out, sumsq_out) if return_row_sumsq else out
+    return out
