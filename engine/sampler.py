@@ -95,7 +95,7 @@ class Sampler:
         token_ids = processed.argmax(dim=-1)  # [num_seqs] greedy choice; ties -> lowest id
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = _on_device(random_rows, logits.device)
             chosen = self._sample_rows(processed[rows], [requests[i] for i in random_rows])
             token_ids[rows] = chosen
         return PendingSample(logits, token_ids, requests)
@@ -104,15 +104,15 @@ class Sampler:
         """Temperature, top-k, top-p, min-p, then the exponential race. ``logits``: [n, vocab], owned."""
         device = logits.device
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], device=device)  # [n]
+        temperature = _on_device([p.temperature for p in params], device)  # [n]
         logits = logits.div_(temperature[:, None])
         vocab = logits.shape[1]
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device)
+            top_k = _on_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
+            top_p = _on_device([p.top_p for p in params], device)
             logits = apply_top_k_top_p(logits, top_k, top_p)
         if any(p.min_p > 0.0 for p in params):
-            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+            logits = apply_min_p(logits, _on_device([p.min_p for p in params], device))
         probs = logits.softmax(dim=-1)  # [n, vocab]
         noise = self._exponential_noise(requests, probs.shape, device)  # [n, vocab]
         return probs.div_(noise).argmax(dim=-1)
@@ -124,7 +124,7 @@ class Sampler:
         if len(unseeded) == len(requests):
             noise.exponential_(generator=self._device_generator(device))
         elif unseeded:
-            rows = torch.tensor(unseeded, device=device)
+            rows = _on_device(unseeded, device)
             fresh = torch.empty((len(unseeded), shape[1]), device=device)
             noise[rows] = fresh.exponential_(generator=self._device_generator(device))
         for i, request in enumerate(requests):
@@ -148,6 +148,20 @@ class Sampler:
             generator.manual_seed(generator_seed(request.sampling_params.seed, request.sample_index))
             self._request_generators[request.request_id] = generator
         return generator
+
+
+def _on_device(values: list, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, device=device)`` without waiting for the device.
+
+    A tensor built from Python values goes up from pageable memory, and such a copy waits for everything
+    queued on the stream: the whole forward. Every temperature, top-p, penalty, logit-bias or min-tokens step
+    made the host sit out the forward there, so the text work of the previous step no longer overlapped it.
+    From pinned memory the copy is queued like a kernel (torch's host allocator keeps the buffer until it ran).
+    """
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, uploader: TokenMaskUploader | None = None
@@ -236,8 +250,8 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request], history: To
     if not rows:
         return logits
     out = logits if owned else logits.clone()
-    index = (torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device))
-    return out.index_put_(index, torch.tensor(values, device=out.device), accumulate=True)
+    index = (_on_device(rows, out.device), _on_device(cols, out.device))
+    return out.index_put_(index, _on_device(values, out.device), accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], history: TokenHistory,
@@ -258,7 +272,7 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], history: To
     if not rows:
         return logits
     out = logits if owned else logits.clone()
-    out[torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device)] = _NEG_INF
+    out[_on_device(rows, out.device), _on_device(cols, out.device)] = _NEG_INF
     return out
 
 
@@ -270,9 +284,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], his
         return logits
     device, vocab = logits.device, logits.shape[1]
     seen = _token_counts([history.all_ids(requests[i]) for i in selected], vocab, device) > 0  # [n, vocab]
-    penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in selected],
-                           device=device)[:, None]  # [n, 1]
-    rows = torch.tensor(selected, device=device)
+    penalty = _on_device([requests[i].sampling_params.repetition_penalty for i in selected], device)[:, None]  # [n, 1]
+    rows = _on_device(selected, device)
     sub = logits[rows]  # [n, vocab]
     penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
     out = logits if owned else logits.clone()
@@ -289,12 +302,12 @@ def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request], his
         return logits
     device, vocab = logits.device, logits.shape[1]
     counts = _token_counts([history.output_ids(requests[i]) for i in selected], vocab, device)  # [n, vocab]
-    presence = torch.tensor([requests[i].sampling_params.presence_penalty for i in selected], device=device)
-    frequency = torch.tensor([requests[i].sampling_params.frequency_penalty for i in selected], device=device)
+    presence = _on_device([requests[i].sampling_params.presence_penalty for i in selected], device)
+    frequency = _on_device([requests[i].sampling_params.frequency_penalty for i in selected], device)
     penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)  # [n, vocab]
     out = logits if owned else logits.clone()
     # index_put_ rather than a 2-D index_add_, which is pathologically slow on CPU in recent torch.
-    return out.index_put_((torch.tensor(selected, device=device),), -penalty, accumulate=True)
+    return out.index_put_((_on_device(selected, device),), -penalty, accumulate=True)
 
 
 def _token_counts(id_arrays: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
@@ -390,7 +403,7 @@ def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     if not wanted:
         return result
-    rows = torch.tensor(wanted, device=raw_logits.device)
+    rows = _on_device(wanted, raw_logits.device)
     logprobs = torch.log_softmax(raw_logits[rows], dim=-1)  # [m, vocab]
     chosen_ids = token_ids[rows]  # [m]
     chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1)  # [m]
