@@ -52,7 +52,7 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton type for {value!r}")
 
 
-def compile_for_hopper(kernel, args: dict, num_warps: int = 4) -> HopperKernel:
+def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int = 3) -> HopperKernel:
     """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90: ``args`` maps every argument name to a tensor
     dtype (a pointer), an int / float (a runtime scalar) or a ``Constexpr``. Raises Triton's CompilationError.
 
@@ -65,9 +65,9 @@ def compile_for_hopper(kernel, args: dict, num_warps: int = 4) -> HopperKernel:
     constexprs = {name: value.value for name, value in args.items() if isinstance(value, Constexpr)}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                if isinstance(args[name], torch.dtype)
-               or (type(args[name]) is int and args[name] % 16 == 0)}  # noqa: E721 (bool is not an int here)
+               or (type(args[name]) is int and args[name] % 16 == 0)}  # type(): a bool is not an int here
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
     return _resource_usage(compiled.asm["cubin"])
 
 

@@ -409,8 +409,8 @@ def test_w4a16_planes(m, group_size, act_order, variant):
 def test_w4a16_planes_split_counters_survive_repeated_calls():
     """The serial split-K counters live on the weight and are reused: calls with different split counts on one
     weight (as M changes between steps) must each find their last program and write every output."""
+    from kernels.triton.split_k import LOCK_ATTR
     from kernels.triton.w4a16 import w4a16_matmul
-    from kernels.triton.w4a16_planes import LOCK_ATTR
 
     qweight, scales, zeros = random_int4("cpu", torch.float16, 1024, 32, 128)
     for split in (4, 3, 8, 4):

@@ -1,4 +1,5 @@
-"""Every variant of the one-row W4A16 GEMV that the fused decode layer launches compiles for Hopper (sm_90).
+"""The W4A16 kernels' variants that the engine launches compile for Hopper (sm_90): every one-row GEMV variant
+of the fused decode layer, and the tensor-core planes kernel of steps with 2-16 rows.
 
 The interpreter tests (tests/test_kernels.py) check the arithmetic; this checks that Triton's code generator and
 ptxas accept each specialization, which the interpreter never runs, and that none spills registers to local
@@ -12,6 +13,7 @@ import torch
 from hopper_compile import Constexpr, compile_for_hopper
 
 from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel
+from kernels.triton.w4a16_planes import _planes_kernel
 
 F16, F32, I32 = torch.float16, torch.float32, torch.int32
 POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "out_ptr": F16,
@@ -43,3 +45,24 @@ def test_gemv_variant_compiles_for_hopper(name, epilogue, norm, perm, stages):
     kernel = compile_for_hopper(_gemv_kernel, args, num_warps=4)
     assert kernel.spilled_bytes == 0, f"{name}: {kernel.registers} registers, {kernel.spilled_bytes} B spilled"
     assert 0 < kernel.registers <= 255
+
+
+PLANES_VARIANTS = [  # (activation dtype, columns per program, split-K summed in the launch, act-order)
+    (torch.float16, 128, True, False),
+    (torch.float16, 64, True, True),
+    (torch.bfloat16, 128, True, False),
+    (torch.float16, 128, False, False),
+]
+
+
+@pytest.mark.parametrize(("dtype", "block_n", "serial", "perm"), PLANES_VARIANTS,
+                         ids=[f"{str(v[0])[6:]}-n{v[1]}-serial{v[2]}-perm{v[3]}" for v in PLANES_VARIANTS])
+def test_planes_variant_compiles_for_hopper(dtype, block_n, serial, perm):
+    args = {"x_ptr": dtype, "qw_ptr": I32, "scales_ptr": dtype, "zeros_ptr": dtype, "perm_ptr": I32, "out_ptr": dtype,
+            "part_ptr": F32, "lock_ptr": I32, "M": 7, "N": 4096, "K": 4096, "k_per_split": 512, "splits": 8,
+            "lock_rest": 1016, "stride_xm": 4096, "stride_om": 4096,
+            **{key: Constexpr(value) for key, value in {
+                "GROUP_SIZE": 128, "HAS_PERM": perm, "SERIAL": serial, "USE_ASM": True, "BLOCK_M": 16,
+                "BLOCK_N": block_n, "BLOCK_K": 128, "SPLITS": 8}.items()}}
+    kernel = compile_for_hopper(_planes_kernel, args, num_warps=4, num_stages=3)
+    assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"

@@ -50,14 +50,6 @@ def largest_pow2_divisor(n: int, largest: int) -> int:
     return step
 
 
-def split_k(k: int, step: int, split: int) -> tuple[int, int]:
-    """(k_per_split, splits): about ``split`` splits of K, each a whole number of ``step``s (the split-K plan
-    every W4A16 kernel shares)."""
-    steps = k // step
-    per = cdiv(steps, max(1, min(split, steps))) * step
-    return per, cdiv(k, per)
-
-
 def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:
     """Launch ``kernel`` (a JITFunction or an Autotuner). Under the interpreter, or when ``config`` is given,
     an Autotuner's wrapped function is called with that config, so tests run one fixed, cheap tile shape."""

@@ -34,11 +34,9 @@ from kernels.triton.common import (
     launch,
     next_pow2,
     num_sms,
-    split_k,
 )
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
 from kernels.triton.w4a16_planes import (
-    LOCK_PERIOD,
-    lock_buffer,
     planes_config,
     planes_matmul,
     planes_supported,
@@ -288,15 +286,13 @@ def _gemv_m1_kernel(
         y = tl.sum(acc, axis=0)  # [BLOCK_N]
     if SPLIT:
         tl.store(out_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
-        if SERIAL:
-            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
-            ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if (ticket & (LOCK_PERIOD - 1)) == splits - 1:
+        if SERIAL:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if last_to_arrive(lock_ptr, pid_n, splits):
                 total = tl.zeros([BLOCK_N], tl.float32)
                 for sk in range(splits):
                     total += tl.load(out_ptr + sk * N + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
                 tl.store(final_ptr + rn, total.to(x_ptr.dtype.element_ty), mask=n_mask)
-                tl.atomic_add(lock_ptr + pid_n, lock_rest, sem="relaxed", scope="gpu")
+                rearm(lock_ptr, pid_n, lock_rest)
     else:
         tl.store(out_ptr + rn, y.to(x_ptr.dtype.element_ty), mask=n_mask)
 

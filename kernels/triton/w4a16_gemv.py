@@ -10,9 +10,8 @@ in packed half2 arithmetic:
   of 1024), minus the column's ``1024 + zero`` (exact, small integers), times the x pairs (x[8r + j],
   x[8r + j + 4]) in fp16 FMAs: 8 weights in ~16 instructions, one fp32 partial per word, scaled per group in
   fp32. Zero points must be integers (every AWQ/GPTQ checkpoint's are; ``PackedInt4.zeros_are_integers``).
-- Split-K sized from the SM count; each program stores its fp32 partial and takes a ticket, and the last one to
-  arrive for a column tile sums the partials and runs the epilogue (no second kernel, no memset: the ticket
-  counters live on the weight and are left at multiples of LOCK_PERIOD, so the launch is CUDA-graph safe).
+- Split-K sized from the SM count; the last program to arrive for a column tile sums the partials and runs the
+  epilogue (kernels/triton/split_k.py: no second kernel, no memset, CUDA-graph safe).
 - Activations: x is read as 32-bit words (two fp16 each) and each packed row's four pairs (x[8r + j],
   x[8r + j + 4]) are two bit operations on them. Gathering the pairs element by element cost ~60 of the ~86
   instructions a packed word took (SASS of the main loop), so the loop was issue-bound, not memory-bound.
@@ -43,8 +42,8 @@ try:  # programmatic dependent launch (Triton >= 3.3)
 except ImportError:  # pragma: no cover (older Triton: launched without PDL)
     _HAS_GDC = False
 
-from kernels.triton.common import cdiv, interpreting, largest_pow2_divisor, next_pow2, num_sms, split_k
-from kernels.triton.w4a16_planes import LOCK_PERIOD, lock_buffer
+from kernels.triton.common import cdiv, interpreting, largest_pow2_divisor, next_pow2, num_sms
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
 
 STORE: tl.constexpr = tl.constexpr(0)  # epilogues
 RESIDUAL: tl.constexpr = tl.constexpr(1)
@@ -329,7 +328,6 @@ def _gemv_kernel(
     if NORM:  # rmsnorm(x) . W = (weight * x) . W / rms(x): the row's scalar comes last
         y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
     tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
-    tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
     num_tiles = tl.num_programs(0)
     if EPILOGUE == SILU:
         counter = pid_n % (num_tiles // 2)  # gate tile c and up tile c + tiles / 2 share one counter
@@ -337,10 +335,7 @@ def _gemv_kernel(
     else:
         counter = pid_n
         arrivals = splits
-    # counters start each call at a multiple of LOCK_PERIOD (> any arrival count), so the ticket's remainder
-    # is the order of arrival; the last program rounds its counter up to the next multiple
-    ticket = tl.atomic_add(lock_ptr + counter, 1, sem="acq_rel", scope="gpu")
-    if (ticket & (LOCK_PERIOD - 1)) == arrivals - 1:
+    if last_to_arrive(lock_ptr, counter, arrivals):
         if EPILOGUE == SILU:
             inter = N // 2
             gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -357,7 +352,7 @@ def _gemv_kernel(
             if EPILOGUE == RESIDUAL:
                 total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
-        tl.atomic_add(lock_ptr + counter, lock_rest, sem="relaxed", scope="gpu")  # LOCK_PERIOD - arrivals
+        rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
 
 
 @dataclass(frozen=True)

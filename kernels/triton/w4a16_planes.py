@@ -14,10 +14,8 @@ math, an unpack per nibble, converts), so they ran at the issue rate, not at mem
 - x is loaded as one contiguous [BLOCK_M, BLOCK_K] tile and split into its 8 planes in registers; that tile
   and the group's scales and zeros (from HBM) are loaded one K step ahead (cp.async stages only the packed
   tile, and these loads were on the critical path of every step).
-- Split-K partials are reduced in the same launch: each program stores its fp32 partial, takes a ticket from a
-  per-column-tile counter, and the last one sums the partials and writes the output (no second kernel, no
-  memset, no host sync). The counters live on the weight tensor (``lock_buffer``) and are left at a multiple
-  of LOCK_PERIOD after every call, so the launch is CUDA-graph safe and needs no per-call zeroing.
+- Split-K partials are reduced in the same launch (kernels/triton/split_k.py): the last program to arrive for a
+  tile sums the partials and writes the output.
 
 Every K step lies in one quantization group (BLOCK_K divides the group size); group sizes that are not a
 multiple of 128 and fp32 activations use the older kernels in w4a16.py.
@@ -29,10 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import split_k
-
-LOCK_PERIOD: tl.constexpr = tl.constexpr(1024)  # split-K counters advance by this per call (a power of 2 >= splits)
-LOCK_ATTR = "_pagoda_planes_lock"
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
 
 
 @triton.jit
@@ -195,18 +190,14 @@ def _planes_kernel(
     else:
         tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
-        if SERIAL:
-            tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
-            # counters start each call at a multiple of LOCK_PERIOD (> any split count), so the ticket's
-            # remainder tells the order of arrival; the last program rounds the counter up to the next multiple
-            ticket = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if (ticket & (LOCK_PERIOD - 1)) == splits - 1:  # (& not %: int32 wraps after 2M calls)
+        if SERIAL:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if last_to_arrive(lock_ptr, pid, splits):
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for sk in tl.static_range(SPLITS):  # unrolled: the loads are in flight together, not one per trip
                     live = mask & ((tile * 0 + sk) < splits)  # (a tensor mask: the interpreter mistypes scalars)
                     total += tl.load(part_ptr + sk * M * N + tile, mask=live, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], total.to(dtype), mask=mask)
-                tl.atomic_add(lock_ptr + pid, lock_rest, sem="relaxed", scope="gpu")
+                rearm(lock_ptr, pid, lock_rest)
 
 
 def planes_supported(x: torch.Tensor, group_size: int, k: int) -> bool:
@@ -230,22 +221,6 @@ def planes_config(m: int, n: int, k: int, sms: int) -> dict:
     split = max(1, min(split, k // 256, 64))
     return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
             "split": split, "serial": True}
-
-
-def lock_buffer(qweight: torch.Tensor, tiles: int, reuse: bool) -> torch.Tensor:
-    """Split-K arrival counters, int32 [tiles]. Kept on the weight tensor (one per layer, so engines and layers
-    never share one; calls on one weight run in stream order): the kernel leaves every counter at a multiple
-    of LOCK_PERIOD, so it needs zeroing only when first made (a memset, also fine inside graph capture). The
-    stored buffer is never replaced (a captured graph may hold it); a launch that needs more tiles than it has
-    (forced tiles for M > 16 in benchmarks) gets fresh zeroed counters of its own."""
-    lock = getattr(qweight, LOCK_ATTR, None) if reuse else None
-    if reuse and lock is None:
-        lock = torch.zeros((max(tiles, triton.cdiv(qweight.shape[1], 32)),), dtype=torch.int32,
-                           device=qweight.device)
-        setattr(qweight, LOCK_ATTR, lock)
-    if lock is None or lock.numel() < tiles:
-        lock = torch.zeros((tiles,), dtype=torch.int32, device=qweight.device)
-    return lock
 
 
 def planes_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -1,0 +1,60 @@
+"""Split-K for the W4A16 kernels: the plan, and partial sums reduced in the launch that made them.
+
+Why in the launch: a second reduce kernel is one more launch per matmul (~1.3 us in a graph) and a memset of
+counters another. Each program stores its fp32 partial and takes a ticket from its column tile's counter;
+the last to arrive sums the partials and writes the output. The counters live on the weight tensor
+(``lock_buffer``) and are left at a multiple of LOCK_PERIOD after every call, so a launch needs no zeroing
+and is CUDA-graph safe. One planner, one ticket and one release serve every W4A16 kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.common import cdiv
+
+LOCK_PERIOD: tl.constexpr = tl.constexpr(1024)  # counters advance by this per call (a power of 2 >= arrivals)
+LOCK_ATTR = "_pagoda_planes_lock"
+
+
+def split_k(k: int, step: int, split: int) -> tuple[int, int]:
+    """(k_per_split, splits): about ``split`` splits of K, each a whole number of ``step``s."""
+    steps = k // step
+    per = cdiv(steps, max(1, min(split, steps))) * step
+    return per, cdiv(k, per)
+
+
+def lock_buffer(qweight: torch.Tensor, tiles: int, reuse: bool) -> torch.Tensor:
+    """Split-K arrival counters, int32 [tiles]. Kept on the weight tensor (one per layer, so engines and layers
+    never share one; calls on one weight run in stream order): the kernel leaves every counter at a multiple
+    of LOCK_PERIOD, so it needs zeroing only when first made (a memset, also fine inside graph capture). The
+    stored buffer is never replaced (a captured graph may hold it); a launch that needs more tiles than it has
+    (forced tiles for M > 16 in benchmarks) gets fresh zeroed counters of its own."""
+    lock = getattr(qweight, LOCK_ATTR, None) if reuse else None
+    if reuse and lock is None:
+        lock = torch.zeros((max(tiles, triton.cdiv(qweight.shape[1], 32)),), dtype=torch.int32,
+                           device=qweight.device)
+        setattr(qweight, LOCK_ATTR, lock)
+    if lock is None or lock.numel() < tiles:
+        lock = torch.zeros((tiles,), dtype=torch.int32, device=qweight.device)
+    return lock
+
+
+@triton.jit
+def last_to_arrive(lock_ptr, counter, arrivals):
+    """Take this program's ticket once its partial is stored; True for the last of ``arrivals`` programs.
+
+    The counter starts each call at a multiple of LOCK_PERIOD (> any arrival count), so the ticket's remainder
+    is the order of arrival (& rather than %: int32 wraps after 2M calls)."""
+    tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
+    ticket = tl.atomic_add(lock_ptr + counter, 1, sem="acq_rel", scope="gpu")
+    return (ticket & (LOCK_PERIOD - 1)) == arrivals - 1
+
+
+@triton.jit
+def rearm(lock_ptr, counter, lock_rest):
+    """The last program rounds the counter up to the next multiple of LOCK_PERIOD (lock_rest = LOCK_PERIOD -
+    arrivals), ready for the next call."""
+    tl.atomic_add(lock_ptr + counter, lock_rest, sem="relaxed", scope="gpu")
