@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import bench_graph, copy_bandwidth, sets_for
+from bench.kernels import bench_graph, copy_bandwidth, random_int4, sets_for
 from kernels.triton import w4a16 as w4a16_mod
 from kernels.triton.common import num_sms
 from kernels.triton.w4a16_gemv import GemvPlan, gemv_plan, w4a16_gemv
@@ -52,14 +52,6 @@ TARGETS = {  # shape -> (fraction of copy bandwidth, x GemLite, x tinygemm)
 
 def weight_bytes(k: int, n: int, group: int) -> int:
     return k * n // 2 + 2 * (k // group) * n * 2 + 2 * k + 2 * n
-
-
-def random_weight(k: int, n: int, group: int):
-    codes = torch.randint(0, 16, (k // 8, n, 8), dtype=torch.int32, device=DEV)
-    qweight = (codes << (4 * torch.arange(8, device=DEV, dtype=torch.int32))).sum(-1, dtype=torch.int32)
-    scales = (torch.rand(k // group, n, device=DEV) * 0.01 + 0.001).half()
-    zeros = torch.randint(5, 11, (k // group, n), device=DEV).half()
-    return qweight, scales, zeros
 
 
 def time_ours(x, weights, group, plan=None) -> float:
@@ -153,7 +145,7 @@ def time_fusions() -> None:
         "o 4096x4096": (4096, 4096, {"": {}, "residual": {"residual": residual}}),
     }
     for label, (k, n, variants) in cases.items():
-        weights = [random_weight(k, n, 128) for _ in range(sets_for(weight_bytes(k, n, 128)))]
+        weights = [random_int4(k, n, 128) for _ in range(sets_for(weight_bytes(k, n, 128)))]
         x = torch.randn(1, k, dtype=torch.float16, device=DEV)
         times = {}
         sms = num_sms(torch.device(DEV))
@@ -191,7 +183,7 @@ def main() -> None:
         if args.only and args.only not in label:
             continue
         count = sets_for(weight_bytes(k, n, group))
-        weights = [random_weight(k, n, group) for _ in range(count)]
+        weights = [random_int4(k, n, group) for _ in range(count)]
         x = torch.randn(1, k, dtype=torch.float16, device=DEV)
         nbytes = weight_bytes(k, n, group)
         row = {"shape": label, "plan": str(gemv_plan(n, k, group, sms))}

@@ -123,10 +123,11 @@ def info(name, value, unit) -> Result:
     return Result(name, round(value, 4), unit, "info", None)
 
 
-def random_int4(k: int, n: int):
+def random_int4(k: int, n: int, group: int = GROUP):
+    """Random packed int4 weights (every bit pattern), scales and integer zero points in the kernel layout."""
     qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=DEV)
-    scales = (torch.rand(k // GROUP, n, device=DEV) * 0.01 + 0.001).to(DTYPE)
-    zeros = torch.randint(5, 11, (k // GROUP, n), device=DEV).to(DTYPE)
+    scales = (torch.rand(k // group, n, device=DEV) * 0.01 + 0.001).to(DTYPE)
+    zeros = torch.randint(5, 11, (k // group, n), device=DEV).to(DTYPE)
     return qweight, scales, zeros
 
 
