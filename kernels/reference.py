@@ -209,8 +209,9 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     x: [1, K]. ``norm_weight`` [K]: x is RMS-normalised first (``rms_norm(x, norm_weight, eps)[0]``).
     ``residual`` [1, N]: returns ``residual`` with y added in place. ``silu``: the weight holds gate then up
     columns; returns ``silu_and_mul(y)`` [1, N // 2]. ``rope``: the weight is qkv; dict(positions [1],
-    slot_mapping [1], cos_sin_cache, k_cache, v_cache, q_size, kv_size, head_dim): rotary q and k, k and v
-    written to the slot, returns q [1, q_size]. Otherwise returns y [1, N].
+    slot_mapping [1], cos_sin_cache, k_cache, v_cache, q_size, kv_size, head_dim; with q_norm, k_norm and eps,
+    Qwen3's per-head RMSNorm of q and k first): rotary q and k, k and v written to the slot, returns q [1, q_size].
+    Otherwise returns y [1, N].
     """
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)[0]
@@ -224,6 +225,9 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         q = y[:, :q_size].view(1, q_size // head_dim, head_dim)
         k = y[:, q_size:q_size + kv_size].view(1, kv_size // head_dim, head_dim)
         v = y[:, q_size + kv_size:].reshape(1, kv_size // head_dim, head_dim)
+        if rope.get("q_norm") is not None:  # Qwen3: each q and k head RMS-normalized before rotary
+            q = rms_norm(q.reshape(-1, head_dim), rope["q_norm"], rope["eps"])[0].view(q.shape)
+            k = rms_norm(k.reshape(-1, head_dim), rope["k_norm"], rope["eps"])[0].view(k.shape)
         q, k = rotary_embedding(rope["positions"], q, k, rope["cos_sin_cache"])
         reshape_and_cache(k, v, rope["k_cache"], rope["v_cache"], rope["slot_mapping"])
         return q.reshape(1, q_size)

@@ -250,7 +250,7 @@ def check_w4a16_planes(device: str, dtype: torch.dtype, m: int, k: int, n: int, 
     assert_rel(out, exp, TOL[dtype]["matmul"], f"w4a16 planes {variant} M={m} K={k} N={n} G={group_size}")
 
 
-GEMV_FUSIONS = ["plain", "norm", "residual", "silu", "rope", "norm+silu"]
+GEMV_FUSIONS = ["plain", "norm", "residual", "silu", "rope", "rope+qk-norm", "norm+silu"]
 
 
 def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bool, fusion: str,
@@ -293,10 +293,12 @@ def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bo
             out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, silu=True, plan=plan)
             assert_rel(out, ref.silu_and_mul(matmul(x)), TOL[dtype]["matmul"], what)
         else:
-            _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan)
+            _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan,
+                             qk_norm=fusion == "rope+qk-norm")
 
 
-def _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan):
+def _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan,
+                     qk_norm: bool = False):
     from kernels.triton.w4a16_gemv import w4a16_gemv
 
     kv_heads = n // head_dim // 4  # q heads : kv heads = 2 : 1
@@ -316,10 +318,16 @@ def _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, hea
     q = qkv[:, :q_size].view(1, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(1, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].reshape(1, kv_heads, head_dim)
-    q_rot, k_rot = ref.rotary_embedding(positions, q, k, cos_sin)
-    ref.reshape_and_cache(k_rot, v, k_expected, v_expected, slots)
     rope = {"positions": positions, "slot_mapping": slots, "cos_sin_cache": cos_sin, "k_cache": k_cache,
             "v_cache": v_cache, "q_size": q_size, "kv_size": kv_size, "head_dim": head_dim}
+    if qk_norm:  # Qwen3: every q and k head RMS-normalized (its own weights) before rotary
+        norms = {"q_norm": torch.rand(head_dim, dtype=x.dtype, device=device) + 0.5,
+                 "k_norm": torch.rand(head_dim, dtype=x.dtype, device=device) + 0.5, "eps": 1e-6}
+        rope.update(norms)
+        q = ref.rms_norm(q.reshape(-1, head_dim), norms["q_norm"], 1e-6)[0].view(q.shape)
+        k = ref.rms_norm(k.reshape(-1, head_dim), norms["k_norm"], 1e-6)[0].view(k.shape)
+    q_rot, k_rot = ref.rotary_embedding(positions, q, k, cos_sin)
+    ref.reshape_and_cache(k_rot, v, k_expected, v_expected, slots)
     out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, rope=rope, plan=plan)
     assert_rel(out, q_rot.reshape(1, q_size), TOL[x.dtype]["matmul"], f"{what}: rotary q")
     assert_rel(k_cache, k_expected, TOL[x.dtype]["matmul"], f"{what}: k cache")
@@ -466,7 +474,7 @@ def test_w4a16_gemv_variants(kernel, scale_after, serial):
 @pytest.mark.parametrize(
     "fusion,group_size,act_order",
     [("plain", 32, False), ("plain", 128, True), ("norm", 64, True), ("residual", 256, False), ("silu", 32, False),
-     ("rope", 64, False), ("norm+silu", 64, False)],
+     ("rope", 64, False), ("rope+qk-norm", 64, False), ("norm+silu", 64, False)],
 )
 def test_w4a16_gemv(fusion, group_size, act_order):
-    check_w4a16_gemv("cpu", 256, 128 if fusion == "rope" else 64, group_size, act_order, fusion)
+    check_w4a16_gemv("cpu", 256, 128 if fusion.startswith("rope") else 64, group_size, act_order, fusion)

@@ -196,8 +196,9 @@ def test_gpu_w4a16_gemv_fusions(fusion, k, n, group_size):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("k,n,head_dim,group_size", [(4096, 8192, 128, 128), (576, 1024, 64, 32)])
-def test_gpu_w4a16_gemv_rope_and_cache(k, n, head_dim, group_size):
-    _cases().check_w4a16_gemv("cuda", k, n, group_size, False, "rope", head_dim=head_dim)
+@pytest.mark.parametrize("fusion", ["rope", "rope+qk-norm"])
+def test_gpu_w4a16_gemv_rope_and_cache(k, n, head_dim, group_size, fusion):
+    _cases().check_w4a16_gemv("cuda", k, n, group_size, False, fusion, head_dim=head_dim)
 
 
 @pytest.mark.gpu

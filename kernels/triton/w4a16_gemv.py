@@ -194,16 +194,35 @@ def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _head_norm(t, weight, eps, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # RMSNorm of each head of the tile's columns t [BN] (fp16 values in fp32), as reference.rms_norm rounds it:
+    # weight * fp16(t / rms(head)), weight [BN] fp16
+    heads = tl.reshape(t * t, [BLOCK_N // HEAD_DIM, HEAD_DIM])
+    inv = 1.0 / tl.sqrt(tl.sum(heads, axis=1) / HEAD_DIM + eps)  # [heads in the tile]
+    inv_cols = tl.reshape(tl.broadcast_to(inv[:, None], [BLOCK_N // HEAD_DIM, HEAD_DIM]), [BLOCK_N])
+    return (weight * (t * inv_cols).to(tl.float16)).to(tl.float32)
+
+
+@triton.jit
 def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                   v_cache_ptr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   SPLITS: tl.constexpr):
-    # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot
+                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr):
+    # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot. QK_NORM
+    # (Qwen3): each q and k head is RMS-normalized by q_norm / k_norm [HEAD_DIM] before rotary
     HALF: tl.constexpr = HEAD_DIM // 2
     d = rn % HEAD_DIM
     first = d < HALF
     partner = tl.where(first, rn + HALF, rn - HALF)
     t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
     tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS)
+    if QK_NORM:  # a tile holds whole heads, and a column's rotary partner is in its head
+        d_partner = partner % HEAD_DIM
+        in_q = rn < Q_SIZE
+        weight = tl.where(in_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d))
+        weight_partner = tl.where(in_q, tl.load(q_norm_ptr + d_partner), tl.load(k_norm_ptr + d_partner))
+        in_v = rn >= Q_SIZE + KV_SIZE  # v is not normalized (whole heads of v: the masks agree per head)
+        t = tl.where(in_v, t, _head_norm(t, weight, qk_eps, BLOCK_N, HEAD_DIM))
+        tp = tl.where(in_v, tp, _head_norm(tp, weight_partner, qk_eps, BLOCK_N, HEAD_DIM))
     pos = tl.load(pos_ptr).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d % HALF)
     sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d % HALF)
@@ -273,12 +292,15 @@ def _gemv_kernel(
     slot_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     N,
     K,
     k_per_split,
     splits,
     lock_rest,
     eps,
+    qk_eps,
     GROUP: tl.constexpr,
     NORM: tl.constexpr,
     EPILOGUE: tl.constexpr,
@@ -288,6 +310,7 @@ def _gemv_kernel(
     Q_SIZE: tl.constexpr,
     KV_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    QK_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -346,7 +369,8 @@ def _gemv_kernel(
             tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
         elif EPILOGUE == ROPE:
             _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS)
+                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM,
+                           BLOCK_N)
         else:
             total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
             if EPILOGUE == RESIDUAL:
@@ -413,8 +437,8 @@ def w4a16_gemv(
     norm_weight [K]: x is first RMS-normalised (reference.rms_norm(x, norm_weight, eps)[0]).
     residual [1, N]: returns residual += y (in place). silu: W holds gate then up columns: returns
     silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
-    k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim): W is qkv; writes rotary k and v
-    to the slot and returns rotary q [1, q_size].
+    k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim; Qwen3 also q_norm, k_norm [D] and
+    eps): W is qkv; writes rotary k and v to the slot and returns rotary q [1, q_size].
     """
     k = x.shape[1]
     n = qweight.shape[1]
@@ -456,11 +480,12 @@ def w4a16_gemv(
         x, qweight, scales, zeros, perm if perm is not None else dummy, out, part, lock,
         norm_weight if norm_weight is not None else dummy,
         extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
-        extra.get("k_cache", dummy), extra.get("v_cache", dummy),
+        extra.get("k_cache", dummy), extra.get("v_cache", dummy), extra.get("q_norm", dummy),
+        extra.get("k_norm", dummy),
         n, k, k_per_split, splits, LOCK_PERIOD.value - splits * (2 if epilogue == SILU.value else 1), float(eps),
-        GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
+        float(extra.get("eps", 0.0)), GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
-        HEAD_DIM=head_dim or 1, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
+        HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
         NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, STAGES=plan.stages, num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
