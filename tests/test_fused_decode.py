@@ -82,6 +82,17 @@ def test_fused_decode_matches_unfused_on_cpu(awq_model_dir):
     _compare(awq_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
 
 
+def test_fused_decode_matches_unfused_on_qwen3_cpu(tmp_path):
+    # Qwen3's per-head q/k norms run in the fused qkv epilogue: a tiny transformers-written Qwen3, AWQ by rounding
+    from test_model_families import QWEN3_TINY, build_checkpoint, write_rtn_checkpoint
+
+    dense = build_checkpoint(tmp_path / "qwen3", "qwen3", **QWEN3_TINY)
+    awq = write_rtn_checkpoint(dense, tmp_path / "qwen3-awq", group_size=32)
+    model = load_model(awq, torch.device("cpu"), torch.float16, Backend(use_triton=False), max_positions=64)
+    assert model.config.qk_norm and fused_decode_unsupported(model) is None
+    _compare(awq, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
+
+
 def test_fused_decode_refuses_what_it_cannot_run(default_model_dir):
     model = load_model(default_model_dir, torch.device("cpu"), torch.float16, Backend(use_triton=False),
                        max_positions=64)

@@ -468,9 +468,9 @@ def test_awq_build_of_qwen3_loads_and_tracks_the_fp_model(checkpoint, tmp_path):
     assert len(qkv) == 1 and isinstance(qkv[0], PackedInt4) and qkv[0].out_features == (4 + 2 * 2) * 32
     assert isinstance(layer.down_proj.parts[0], PackedInt4) and layer.q_norm.shape == (32,)
     assert model.weight_bytes() < load_cpu(src).weight_bytes()
-    # the fused one-row decode layer (GPU) has no q/k norm between its GEMV and rotary: it must not take Qwen3
-    assert "q/k norms" in fused_decode_unsupported(load_model(awq, torch.device("cpu"), torch.float16,
-                                                              Backend(use_triton=False), 64))
+    # the fused one-row decode layer (GPU) normalizes q and k heads in its qkv epilogue: it takes Qwen3
+    assert fused_decode_unsupported(load_model(awq, torch.device("cpu"), torch.float16, Backend(use_triton=False),
+                                               64)) is None
     # the loader's wiring: exactly transformers on the same dequantized weights
     prompts = prompts_of((5, 70))
     assert engine_greedy(awq, prompts, 8) == transformers_dequantized_greedy(awq, prompts, 8)

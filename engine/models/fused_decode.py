@@ -31,8 +31,6 @@ def fused_decode_unsupported(model) -> str | None:
         return "activations are not fp16"
     if cfg.head_dim & (cfg.head_dim - 1):
         return f"head_dim {cfg.head_dim} is not a power of two"
-    if cfg.qk_norm:  # the qkv epilogue rotates whole heads straight out of the GEMV
-        return "q/k norms before rotary (Qwen3) are not in the fused qkv epilogue"
     if cfg.rotary_dim != cfg.head_dim:
         return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
     for layer in model.layers:
@@ -75,6 +73,8 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
         rope = {"positions": batch.positions, "slot_mapping": batch.slot_mapping, "cos_sin_cache": model.cos_sin_cache,
                 "k_cache": k_cache, "v_cache": v_cache, "q_size": q_size, "kv_size": kv_size,
                 "head_dim": cfg.head_dim}
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before rotary, in the same epilogue
+            rope.update(q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
         q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, rope=rope)  # [1, q_size]
         attn = model.backend.paged_decode_attention(q.view(1, cfg.num_heads, cfg.head_dim), k_cache, v_cache,
                                                     batch.block_tables, batch.context_lens, scale,
