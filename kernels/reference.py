@@ -203,7 +203,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """One-row W4A16 matmul with the decode layer's neighbours fused, as the unfused ops compute it.
 
     x: [1, K]. ``norm_weight`` [K]: x is RMS-normalised first (``rms_norm(x, norm_weight, eps)[0]``).
@@ -211,11 +212,13 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     columns; returns ``silu_and_mul(y)`` [1, N // 2]. ``rope``: the weight is qkv; dict(positions [1],
     slot_mapping [1], cos_sin_cache, k_cache, v_cache, q_size, kv_size, head_dim; with q_norm, k_norm and eps,
     Qwen3's per-head RMSNorm of q and k first): rotary q and k, k and v written to the slot, returns q [1, q_size].
-    Otherwise returns y [1, N].
+    Otherwise returns y [1, N]. ``bias`` [N] is added to y before any of these.
     """
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)[0]
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, perm)  # [1, N] in x's dtype
+    if bias is not None:
+        y = y + bias
     if residual is not None:
         return residual.copy_(y + residual)
     if silu:

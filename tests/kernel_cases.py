@@ -10,6 +10,7 @@ for matmuls) are in ``TOL``.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -254,19 +255,24 @@ GEMV_FUSIONS = ["plain", "norm", "residual", "silu", "rope", "rope+qk-norm", "no
 
 
 def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bool, fusion: str,
-                     head_dim: int = 32, plan=None) -> None:
+                     head_dim: int = 32, plan=None, bias: bool = False) -> None:
     """The M = 1 half2 GEMV (kernels/triton/w4a16_gemv.py), alone or with a fused neighbour, against the unfused
-    reference ops: RMSNorm before it, a residual add, silu(gate) * up, or rotary + KV-cache write after it."""
+    reference ops: RMSNorm before it, a residual add, silu(gate) * up, or rotary + KV-cache write after it;
+    ``bias``: the linear has one (added to the product before the neighbour, as the unfused Linear adds it)."""
     from kernels.triton.w4a16_gemv import w4a16_gemv
 
     dtype = torch.float16
     wide = torch.float64 if device == "cpu" else torch.float32
     qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
     perm = torch.randperm(k, device=device) if act_order else None
-    what = f"w4a16 gemv {fusion} K={k} N={n} G={group_size} act_order={act_order}"
+    bias_row = torch.randn(n, dtype=dtype, device=device) * 0.5 if bias else None
+    what = f"w4a16 gemv {fusion} K={k} N={n} G={group_size} act_order={act_order} bias={bias}"
+    if bias:
+        w4a16_gemv = functools.partial(w4a16_gemv, bias=bias_row)
 
-    def matmul(x):  # the reference product, rounded to fp16 as the unfused op returns it
-        return ref.w4a16_matmul(x.to(wide), qweight, scales, zeros, group_size, perm).to(dtype)
+    def matmul(x):  # the reference product, rounded to fp16 as the unfused op returns it (+ the bias in fp16)
+        y = ref.w4a16_matmul(x.to(wide), qweight, scales, zeros, group_size, perm).to(dtype)
+        return y if bias_row is None else y + bias_row
 
     for call in range(2):  # split-K arrival counters kept on the weight must be ready for the next call
         x = torch.randn(1, k, dtype=dtype, device=device)
@@ -293,14 +299,12 @@ def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bo
             out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, silu=True, plan=plan)
             assert_rel(out, ref.silu_and_mul(matmul(x)), TOL[dtype]["matmul"], what)
         else:
-            _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan,
-                             qk_norm=fusion == "rope+qk-norm")
+            _check_gemv_rope(device, w4a16_gemv, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul,
+                             what, plan, qk_norm=fusion == "rope+qk-norm")
 
 
-def _check_gemv_rope(device, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan,
-                     qk_norm: bool = False):
-    from kernels.triton.w4a16_gemv import w4a16_gemv
-
+def _check_gemv_rope(device, w4a16_gemv, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what,
+                     plan, qk_norm: bool = False):
     kv_heads = n // head_dim // 4  # q heads : kv heads = 2 : 1
     heads = 2 * kv_heads
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -472,9 +476,10 @@ def test_w4a16_gemv_variants(kernel, scale_after, serial):
 
 
 @pytest.mark.parametrize(
-    "fusion,group_size,act_order",
-    [("plain", 32, False), ("plain", 128, True), ("norm", 64, True), ("residual", 256, False), ("silu", 32, False),
-     ("rope", 64, False), ("rope+qk-norm", 64, False), ("norm+silu", 64, False)],
+    "fusion,group_size,act_order,bias",
+    [("plain", 32, False, False), ("plain", 128, True, True), ("norm", 64, True, False), ("residual", 256, False, False),
+     ("residual", 64, False, True), ("silu", 32, False, False), ("silu", 64, False, True), ("rope", 64, False, False),
+     ("rope", 64, False, True), ("rope+qk-norm", 64, False, False), ("norm+silu", 64, False, False)],
 )
-def test_w4a16_gemv(fusion, group_size, act_order):
-    check_w4a16_gemv("cpu", 256, 128 if fusion.startswith("rope") else 64, group_size, act_order, fusion)
+def test_w4a16_gemv(fusion, group_size, act_order, bias):
+    check_w4a16_gemv("cpu", 256, 128 if fusion.startswith("rope") else 64, group_size, act_order, fusion, bias=bias)

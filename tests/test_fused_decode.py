@@ -82,14 +82,17 @@ def test_fused_decode_matches_unfused_on_cpu(awq_model_dir):
     _compare(awq_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
 
 
-def test_fused_decode_matches_unfused_on_qwen3_cpu(tmp_path):
-    # Qwen3's per-head q/k norms run in the fused qkv epilogue: a tiny transformers-written Qwen3, AWQ by rounding
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_fused_decode_matches_unfused_on_qwen_cpu(tmp_path, family):
+    # tiny transformers-written checkpoints, AWQ by rounding: Qwen3's per-head q/k norms and Qwen2's qkv bias run
+    # in the fused qkv epilogue
     from test_model_families import QWEN3_TINY, build_checkpoint, write_rtn_checkpoint
 
-    dense = build_checkpoint(tmp_path / "qwen3", "qwen3", **QWEN3_TINY)
-    awq = write_rtn_checkpoint(dense, tmp_path / "qwen3-awq", group_size=32)
+    dense = build_checkpoint(tmp_path / family, family, **(QWEN3_TINY if family == "qwen3" else {}))
+    awq = write_rtn_checkpoint(dense, tmp_path / f"{family}-awq", group_size=32)
     model = load_model(awq, torch.device("cpu"), torch.float16, Backend(use_triton=False), max_positions=64)
-    assert model.config.qk_norm and fused_decode_unsupported(model) is None
+    assert fused_decode_unsupported(model) is None
+    assert model.config.qk_norm if family == "qwen3" else model.layers[0].qkv_proj.bias is not None
     _compare(awq, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
 
 

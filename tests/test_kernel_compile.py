@@ -18,7 +18,8 @@ from kernels.triton.w4a16_planes import _planes_kernel
 F16, F32, I32 = torch.float16, torch.float32, torch.int32
 POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "out_ptr": F16,
             "part_ptr": F32, "lock_ptr": I32, "norm_ptr": F16, "cos_sin_ptr": F32, "pos_ptr": I32, "slot_ptr": I32,
-            "k_cache_ptr": F16, "v_cache_ptr": F16, "q_norm_ptr": F16, "k_norm_ptr": F16}
+            "k_cache_ptr": F16, "v_cache_ptr": F16, "q_norm_ptr": F16, "k_norm_ptr": F16,
+            "bias_ptr": F16}
 SCALARS = {"N": 4096, "K": 4096, "k_per_split": 256, "splits": 11, "lock_rest": 1000, "eps": 1e-5, "qk_eps": 1e-6}
 
 # (name, epilogue, RMSNorm prologue, act-order perm, K steps in flight through shared memory)
@@ -31,6 +32,8 @@ VARIANTS = [
     ("norm+silu", SILU, True, False, 1),
     ("norm+rope", ROPE, True, False, 1),
     ("norm+rope+qk-norm", ROPE, True, False, 1),
+    ("norm+rope+bias", ROPE, True, False, 1),
+    ("residual+bias", RESIDUAL, False, False, 1),
     ("pipelined", STORE, False, False, 3),
 ]
 
@@ -40,7 +43,8 @@ def test_gemv_variant_compiles_for_hopper(name, epilogue, norm, perm, stages):
     rope = epilogue == ROPE
     constexprs = {"GROUP": 128, "NORM": norm, "EPILOGUE": epilogue.value, "HAS_PERM": perm, "USE_ASM": True,
                   "USE_PDL": True, "Q_SIZE": 4096 if rope else 0, "KV_SIZE": 1024 if rope else 0,
-                  "HEAD_DIM": 128 if rope else 1, "QK_NORM": "qk-norm" in name, "BLOCK_N": 128, "BLOCK_K": 128, "SPLITS": 16,
+                  "HEAD_DIM": 128 if rope else 1, "QK_NORM": "qk-norm" in name, "HAS_BIAS": "bias" in name,
+                  "BLOCK_N": 128, "BLOCK_K": 128, "SPLITS": 16,
                   "NORM_BLOCK": 4096 if norm else 1, "STAGES": stages}
     args = {**POINTERS, **SCALARS, **{key: Constexpr(value) for key, value in constexprs.items()}}
     kernel = compile_for_hopper(_gemv_kernel, args, num_warps=4)

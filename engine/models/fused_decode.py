@@ -44,8 +44,6 @@ def fused_decode_unsupported(model) -> str | None:
 def _linear_unsupported(linear: Linear) -> str | None:
     if len(linear.parts) != 1 or not isinstance(linear.parts[0], PackedInt4):
         return "not one packed int4 weight"
-    if linear.bias is not None:
-        return "has a bias"
     weight = linear.parts[0]
     if weight.group_size % 32 or weight.in_features % 32:
         return f"group size {weight.group_size} / in_features {weight.in_features} not multiples of 32"
@@ -57,7 +55,7 @@ def _linear_unsupported(linear: Linear) -> str | None:
 def _gemv(model, linear: Linear, x: torch.Tensor, **fused) -> torch.Tensor:
     weight = linear.parts[0]
     return model.backend.w4a16_gemv(x, weight.qweight, weight.scales, weight.zeros, weight.group_size, weight.perm,
-                                    **fused)
+                                    bias=linear.bias, **fused)
 
 
 @torch.inference_mode()

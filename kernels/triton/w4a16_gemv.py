@@ -184,13 +184,18 @@ def _x_word_pairs(xw_ptr, nw_ptr, rows, NORM: tl.constexpr, USE_ASM: tl.constexp
 
 
 @triton.jit
-def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr):
-    # sum over splits of the fp32 partials [splits, N] at cols -> fp16-rounded fp32 [BN]; all partials are loaded
-    # at once (SPLITS >= splits): a loop over splits put one L2 round trip per split on the critical path
+def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr):
+    # sum over splits of the fp32 partials [splits, N] at cols -> fp16-rounded fp32 [BN], plus the bias where the
+    # linear has one (rounded again: the unfused Linear adds it to the fp16 product in fp16); all partials are
+    # loaded at once (SPLITS >= splits): a loop over splits put one L2 round trip per split on the critical path
     sk = tl.arange(0, SPLITS)
     tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
                    other=0.0, cache_modifier=".cg")  # [SPLITS, BN]
-    return tl.sum(tile, axis=0).to(tl.float16).to(tl.float32)
+    total = tl.sum(tile, axis=0).to(tl.float16).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (total + bias).to(tl.float16).to(tl.float32)
+    return total
 
 
 @triton.jit
@@ -205,16 +210,17 @@ def _head_norm(t, weight, eps, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr):
+                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, Q_SIZE: tl.constexpr,
+                   KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot. QK_NORM
     # (Qwen3): each q and k head is RMS-normalized by q_norm / k_norm [HEAD_DIM] before rotary
     HALF: tl.constexpr = HEAD_DIM // 2
     d = rn % HEAD_DIM
     first = d < HALF
     partner = tl.where(first, rn + HALF, rn - HALF)
-    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
-    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS)
+    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS)
+    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS)
     if QK_NORM:  # a tile holds whole heads, and a column's rotary partner is in its head
         d_partner = partner % HEAD_DIM
         in_q = rn < Q_SIZE
@@ -294,6 +300,7 @@ def _gemv_kernel(
     v_cache_ptr,
     q_norm_ptr,
     k_norm_ptr,
+    bias_ptr,
     N,
     K,
     k_per_split,
@@ -311,6 +318,7 @@ def _gemv_kernel(
     KV_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -363,16 +371,16 @@ def _gemv_kernel(
             inter = N // 2
             gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
             live = gate_cols < inter
-            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS)
-            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS)
+            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS)
+            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS)
             act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
             tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
         elif EPILOGUE == ROPE:
             _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM,
-                           BLOCK_N)
+                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS,
+                           QK_NORM, BLOCK_N, HAS_BIAS)
         else:
-            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS)
+            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS)
             if EPILOGUE == RESIDUAL:
                 total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
@@ -429,6 +437,7 @@ def w4a16_gemv(
     residual: torch.Tensor | None = None,
     silu: bool = False,
     rope: dict | None = None,
+    bias: torch.Tensor | None = None,
     plan: GemvPlan | None = None,
 ) -> torch.Tensor:
     """y = x @ W for one row, with optional fused neighbours.
@@ -438,7 +447,8 @@ def w4a16_gemv(
     residual [1, N]: returns residual += y (in place). silu: W holds gate then up columns: returns
     silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
     k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim; Qwen3 also q_norm, k_norm [D] and
-    eps): W is qkv; writes rotary k and v to the slot and returns rotary q [1, q_size].
+    eps): W is qkv; writes rotary k and v to the slot and returns rotary q [1, q_size]. bias [N]: added to
+    y before any epilogue (Qwen2's qkv, Llama's optional o / MLP biases).
     """
     k = x.shape[1]
     n = qweight.shape[1]
@@ -481,11 +491,12 @@ def w4a16_gemv(
         norm_weight if norm_weight is not None else dummy,
         extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
         extra.get("k_cache", dummy), extra.get("v_cache", dummy), extra.get("q_norm", dummy),
-        extra.get("k_norm", dummy),
+        extra.get("k_norm", dummy), bias if bias is not None else dummy,
         n, k, k_per_split, splits, LOCK_PERIOD.value - splits * (2 if epilogue == SILU.value else 1), float(eps),
         float(extra.get("eps", 0.0)), GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
-        HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
+        HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
         NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, STAGES=plan.stages, num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
