@@ -36,6 +36,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-limit", default=None, help="absolute GPU budget, e.g. 20GiB")
     parser.add_argument("--kv-cache-memory", default=None, help="explicit KV cache size, e.g. 512MiB (CPU default 256MiB)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=defaults.tensor_parallel_size,
+                        help="split the model over this many devices (one worker process each)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -156,10 +156,11 @@ def add_common_args(parser: argparse.ArgumentParser, bench: str) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--kv-cache-memory", default=None, help="explicit KV size (CPU default 256MiB)")
     engine.add_argument("--block-size", type=int, default=None)
+    engine.add_argument("--tensor-parallel-size", type=int, default=None)
 
 
 ENGINE_FLAGS = ("enforce_eager", "gpu_memory_limit", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "kv_cache_memory", "block_size")
+                "max_num_batched_tokens", "kv_cache_memory", "block_size", "tensor_parallel_size")
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:

@@ -81,6 +81,7 @@ class EngineArgs:
     enforce_eager: bool = False
     force_reference_kernels: bool = False
     fused_decode: bool = True  # one-sequence decode steps through the fused layer where the model allows it
+    tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py); 1: this process alone
 
     def with_overrides(self, **kwargs) -> "EngineArgs":
         unknown = set(kwargs) - set(self.__dataclass_fields__)

@@ -197,6 +197,9 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
+        # its text is due no more: left queued, it kept has_unfinished_requests true, and after a failed step
+        # (which raises before the text work) the loop stepped again and again
+        self._text_pending = [(req, token) for req, token in self._text_pending if req.parent_id != request_id]
         for sample in group.samples:
             if not sample.is_finished:
                 self.scheduler.abort_request(sample.request_id)

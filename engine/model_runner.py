@@ -18,7 +18,8 @@ from engine.cuda_graph import StepGraphs, StepInputs
 from engine.errors import EngineError
 from engine.fit import cpu_kv_cache_bytes, cuda_budget_bytes
 from engine.forward_batch import ForwardBatch
-from engine.model_loader import load_model
+from engine.model_loader import load_model, read_config_dict
+from engine.parallel import check_divides
 from engine.request import Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
 from engine.structured_output import MaskJob
@@ -75,20 +76,70 @@ class ModelRunner:
         self.args, self.device, self.dtype = args, device, dtype
         self._mask_worker: ThreadPoolExecutor | None = None  # grammar masks of constrained steps
         self.backend = Backend.for_device(device, force_reference=args.force_reference_kernels)
+        self.workers = None  # tensor parallel: ranks 1..N-1 (engine/tp_worker.py); this runner is rank 0
+        self._threads_before: int | None = None  # CPU tensor parallel: torch threads to restore at release
+        if args.tensor_parallel_size < 1:
+            raise EngineError(f"--tensor-parallel-size must be at least 1, not {args.tensor_parallel_size}",
+                              param="tensor_parallel_size")
         started = time.perf_counter()
-        self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
-                                fuse_decode=args.fused_decode)
+        if args.tensor_parallel_size > 1:
+            self.model = self._load_tensor_parallel(model_dir, max_model_len)
+        else:
+            self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
+                                    fuse_decode=args.fused_decode)
         self.load_seconds = time.perf_counter() - started
+        try:
+            self._size_and_allocate(max_model_len)
+        except BaseException:
+            self._stop_workers()
+            raise
+
+    def _load_tensor_parallel(self, model_dir: Path, max_model_len: int):
+        """Start the workers, load rank 0's shard while they load theirs, wait for them (their load errors
+        are raised here); a failure stops them all."""
+        from engine.tp_worker import TPWorkers
+
+        size = self.args.tensor_parallel_size
+        check_divides(ModelConfig.from_dict(read_config_dict(model_dir)), size)  # before any process starts
+        self.workers, group = TPWorkers.start(self.args, model_dir, self.device, self.dtype, max_model_len)
+        if self.device.type == "cpu":  # the ranks share the host's cores: oversubscribed threads spin and wait
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._threads_before // size))
+        try:
+            model = load_model(model_dir, self.device, self.dtype, self.backend, max_positions=max_model_len,
+                               fuse_decode=self.args.fused_decode, tp=group)
+            self.workers.wait_ready()
+        except BaseException:
+            self._stop_workers()
+            raise
+        log.info("tensor parallel: %d ranks (worker pids %s)", size, self.workers.pids)
+        return model
+
+    def _stop_workers(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def _size_and_allocate(self, max_model_len: int) -> None:
+        """Size the KV pool after the weights (profiling one forward on a GPU), allocate it, bind it."""
+        args, device = self.args, self.device
         self._release_cached_blocks()  # loading's temporaries (checkpoint tensors before the repack)
         self.config: ModelConfig = self.model.config
         self.max_model_len = max_model_len
         self.sampler = Sampler(seed=args.seed)
         self.weight_bytes = self.model.weight_bytes()
-        self.use_cuda_graphs = (device.type == "cuda" and self.backend.use_triton and not args.enforce_eager)
+        self.use_cuda_graphs = (device.type == "cuda" and self.backend.use_triton and not args.enforce_eager
+                                and self.workers is None)  # graphs do not capture the all-reduce yet
         started = time.perf_counter()
         self.layout, self.memory_profile = self._size_kv_cache()
         self._release_cached_blocks()  # the profiling forward's activations
         self.kv_caches = self._allocate_kv_cache()
+        if self.workers is not None:
+            from engine.tp_worker import AllocateKV
+
+            self.workers.send(AllocateKV(self.layout.num_blocks, self.layout.block_size))
         self.sizing_seconds = time.perf_counter() - started
         log.info("weights loaded in %.2f s (%.2f GiB); KV cache sized (profiling forward) and allocated in %.2f s",
                  self.load_seconds, self.weight_bytes / 2**30, self.sizing_seconds)
@@ -141,7 +192,9 @@ class ModelRunner:
             return 0  # every ragged step fits a graph, all captured already
         buckets = [s for s in eager_seq_buckets(self.args.max_num_seqs, SEQ_BLOCK_FLOOR) if s <= num_tokens]
         for num_seqs in buckets:
-            self.model.forward(eager_step(num_tokens, num_seqs, self.args.block_size).to_batch(self.device))
+            inputs = eager_step(num_tokens, num_seqs, self.args.block_size)
+            self._send_step(inputs, [])
+            self._forward(inputs)
         torch.cuda.synchronize(self.device)
         return len(buckets)
 
@@ -190,44 +243,39 @@ class ModelRunner:
         return budget, max(activation_peak, 0)
 
     def _dummy_forward(self, num_tokens: int) -> int:
-        """One forward over ``num_tokens`` prompt tokens into a scratch KV; returns the scratch KV bytes."""
-        cfg = self.config
-        bs = self.args.block_size
-        num_blocks = (num_tokens + bs - 1) // bs
-        shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        scratch = [(torch.empty(shape, device=self.device, dtype=self.dtype),
-                    torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(cfg.num_layers)]
-        self.model.bind_kv_caches(scratch)
-        positions = torch.arange(num_tokens, device=self.device)
-        batch = ForwardBatch(
-            input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions=positions,
-            slot_mapping=positions.clone(),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            logits_indices=torch.tensor([num_tokens - 1], device=self.device), is_decode=False)
-        self.model.forward(batch)
-        scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
-        del scratch
-        self.model.kv_caches = []
-        return scratch_bytes
+        """One forward over ``num_tokens`` prompt tokens into a scratch KV (every rank: the forward has
+        collectives); returns the scratch KV bytes."""
+        if self.workers is not None:
+            from engine.tp_worker import ProfileForward
+
+            self.workers.send(ProfileForward(num_tokens, self.args.block_size))
+        return profile_forward(self.model, num_tokens, self.args.block_size, self.device, self.dtype)
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.config
-        shape = (self.layout.num_blocks, self.layout.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
-                 torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(cfg.num_layers)]
+        return allocate_kv_cache(self.config, self.layout.num_blocks, self.layout.block_size, self.device,
+                                 self.dtype)
 
     # ---- one step --------------------------------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block contents (all layers) before a request writes into its private copy."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+        copy_blocks(self.kv_caches, pairs, self.device)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """An eager forward over ``inputs``: logits [num_sampled, vocab] float32. Under tensor parallelism
+        the workers were sent the step first; a failed collective fails the group (EngineStepError)."""
+        if self.workers is None:
+            return self.model.forward(inputs.to_batch(self.device))
+        try:
+            return self.model.forward(inputs.to_batch(self.device))
+        except Exception as exc:
+            raise self.workers.failure(exc) from exc
+
+    def _send_step(self, inputs: StepInputs | None, copy_on_write: list[tuple[int, int]]) -> None:
+        """Tensor parallel: send the step to the workers (once; they run the same forward on their shards)."""
+        if self.workers is not None:
+            from engine.tp_worker import RunStep
+
+            self.workers.send(RunStep(inputs, copy_on_write))
 
     def free_request(self, request_id: str) -> None:
         """A request finished, was aborted or preempted: drop its sampling state (unless preempted, see
@@ -284,13 +332,15 @@ class ModelRunner:
         is queued, so the masks are computed while the device computes the logits."""
         self.copy_blocks(copy_on_write)
         if not scheduled:
+            self._send_step(None, copy_on_write)
             return PendingStep([], None)
         inputs, to_sample = self.step_inputs(scheduled)
+        self._send_step(inputs, copy_on_write)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
             logits = self.graphs.run(inputs, shape)  # [num_sampled, vocab] float32
         else:
-            logits = self.model.forward(inputs.to_batch(self.device))  # [num_sampled, vocab] float32
+            logits = self._forward(inputs)  # [num_sampled, vocab] float32
         if not to_sample:
             return PendingStep([], None)
         job = token_masks(to_sample) if token_masks is not None else None
@@ -306,7 +356,9 @@ class ModelRunner:
         return self._mask_worker
 
     def release(self) -> None:
-        """Drop every device tensor this runner holds so the memory can go back to the device."""
+        """Drop every device tensor this runner holds so the memory can go back to the device, and stop the
+        tensor-parallel workers."""
+        self._stop_workers()
         if self._mask_worker is not None:
             self._mask_worker.shutdown(wait=False)
             self._mask_worker = None
@@ -317,3 +369,48 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+
+
+# ---- shared with the tensor-parallel workers (engine/tp_worker.py) ------------------------------------------
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                      dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, device=device, dtype=dtype),
+             torch.zeros(shape, device=device, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]],
+                device: torch.device) -> None:
+    """Copy (src, dst) block contents in every layer's K and V cache."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], device=device)
+    dst = torch.tensor([d for _, d in pairs], device=device)
+    for k_cache, v_cache in kv_caches:
+        k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+        v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
+def profile_forward(model, num_tokens: int, block_size: int, device: torch.device, dtype: torch.dtype) -> int:
+    """One forward over ``num_tokens`` prompt tokens into a scratch KV; returns the scratch KV bytes."""
+    cfg = model.config
+    bs = block_size
+    num_blocks = (num_tokens + bs - 1) // bs
+    shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    scratch = [(torch.empty(shape, device=device, dtype=dtype),
+                torch.empty(shape, device=device, dtype=dtype)) for _ in range(cfg.num_layers)]
+    model.bind_kv_caches(scratch)
+    positions = torch.arange(num_tokens, device=device)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device), positions=positions,
+        slot_mapping=positions.clone(),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        logits_indices=torch.tensor([num_tokens - 1], device=device), is_decode=False)
+    model.forward(batch)
+    scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
+    del scratch
+    model.kv_caches = []
+    return scratch_bytes

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.errors import EngineError
 from kernels.ops import Backend
+
+if TYPE_CHECKING:
+    from engine.parallel import TPGroup
 
 
 @dataclass
@@ -31,7 +36,7 @@ class PackedInt4:
     def out_features(self) -> int:
         return self.qweight.shape[1]
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> "PackedInt4":
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> PackedInt4:
         perm = None if self.perm is None else self.perm.to(device)
         return PackedInt4(self.qweight.to(device), self.scales.to(device, dtype), self.zeros.to(device, dtype),
                           self.group_size, perm)
@@ -40,14 +45,41 @@ class PackedInt4:
         parts = [self.qweight, self.scales, self.zeros] + ([self.perm] if self.perm is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def columns(self, start: int, end: int) -> PackedInt4:
+        """Output features [start, end) (a column-parallel shard): every tensor is [.., N], so a plain slice."""
+        return PackedInt4(self.qweight[:, start:end].contiguous(), self.scales[:, start:end].contiguous(),
+                          self.zeros[:, start:end].contiguous(), self.group_size, self.perm)
+
+    def rows(self, start: int, end: int, name: str) -> PackedInt4:
+        """Input features [start, end) (a row-parallel shard). The slice must fall on whole groups and packed
+        words; one group over all of K (group size -1) gives every shard the same scales. Refuses act-order:
+        its permutation mixes rows of every shard into each group."""
+        if self.perm is not None:
+            raise EngineError(f"{name}: GPTQ act-order (desc_act) weights cannot be split across ranks; use "
+                              "--tensor-parallel-size 1 or a build without act-order", param="tensor_parallel_size")
+        if start % 8 or end % 8:
+            raise EngineError(f"{name}: a shard of {end - start} of its {self.in_features} input features is not a "
+                              "whole number of packed 8-row words; choose a --tensor-parallel-size that makes "
+                              f"{self.in_features} / size a multiple of 8", param="tensor_parallel_size")
+        if self.scales.shape[0] == 1:  # one group over all of K
+            return PackedInt4(self.qweight[start // 8:end // 8].contiguous(), self.scales, self.zeros, end - start)
+        group = self.group_size
+        if start % group or end % group:
+            raise EngineError(f"{name}: a shard of {end - start} of its {self.in_features} input features does not "
+                              f"fall on its quantization groups of {group}; choose a --tensor-parallel-size that "
+                              f"makes {self.in_features} / size a multiple of {group}", param="tensor_parallel_size")
+        return PackedInt4(self.qweight[start // 8:end // 8].contiguous(),
+                          self.scales[start // group:end // group].contiguous(),
+                          self.zeros[start // group:end // group].contiguous(), group)
+
     @staticmethod
-    def can_concat(parts: list["PackedInt4"]) -> bool:
+    def can_concat(parts: list[PackedInt4]) -> bool:
         first = parts[0]
         return all(p.group_size == first.group_size and p.in_features == first.in_features
                    and _same_perm(p.perm, first.perm) for p in parts)
 
     @staticmethod
-    def concat(parts: list["PackedInt4"]) -> "PackedInt4":
+    def concat(parts: list[PackedInt4]) -> PackedInt4:
         """Stack along the output dimension (q, k, v -> qkv). Caller checks ``can_concat`` first."""
         return PackedInt4(torch.cat([p.qweight for p in parts], dim=1), torch.cat([p.scales for p in parts], dim=1),
                           torch.cat([p.zeros for p in parts], dim=1), parts[0].group_size, parts[0].perm)
@@ -60,6 +92,20 @@ def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 Weight = torch.Tensor | PackedInt4
+
+
+def column_shard(weight: Weight, start: int, end: int) -> Weight:
+    """Output features [start, end) of a weight (dense [out, in] or packed)."""
+    if isinstance(weight, PackedInt4):
+        return weight.columns(start, end)
+    return weight[start:end].contiguous()
+
+
+def row_shard(weight: Weight, start: int, end: int, name: str) -> Weight:
+    """Input features [start, end) of a weight (dense [out, in] or packed); refuses what cannot split."""
+    if isinstance(weight, PackedInt4):
+        return weight.rows(start, end, name)
+    return weight[:, start:end].contiguous()
 
 
 class Linear:
@@ -113,4 +159,29 @@ class Linear:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         outs = [self._apply(i, x, w) for i, w in enumerate(self.parts)]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
+class RowParallelLinear:
+    """A row-parallel layer (o_proj, down_proj under tensor parallelism): each rank holds the input features of
+    its shard, so its output is a partial sum; the all-reduce completes it on every rank and the bias is added
+    once, after the sum."""
+
+    def __init__(self, local: Linear, bias: torch.Tensor | None, group: TPGroup):
+        self.local, self.bias, self.group = local, bias, group
+
+    @property
+    def parts(self) -> list[Weight]:
+        return self.local.parts
+
+    @property
+    def out_features(self) -> int:
+        return self.local.out_features
+
+    def nbytes(self) -> int:
+        return self.local.nbytes() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features / world] -> [num_tokens, out_features]
+        y = self.group.all_reduce(self.local(x))
         return y if self.bias is None else y + self.bias

@@ -4,6 +4,9 @@ Gemma 3 subclasses it (engine/models/gemma3.py).
 Weights are plain tensors / ``Linear`` objects filled by engine/model_loader.py; every op goes through the
 ``Backend`` (Triton on CUDA, torch reference elsewhere). The model holds no per-request state: the KV
 cache tensors are bound once by the model runner and addressed through the batch's slot mapping.
+Under tensor parallelism (``tp``) each rank holds its shard (engine/model_loader.py): the config's head counts
+and MLP width are the rank's, o/down all-reduce their output (``RowParallelLinear``), the embedding sums the
+ranks' vocabulary slices and the head gathers them.
 The families differ in two places of attention only: Qwen3 RMS-normalizes each q and k head before rotary
 (``DecoderLayer.q_norm`` / ``k_norm``), and Phi-4-mini rotates the first ``config.rotary_dim`` dims of a head
 (the cos/sin cache is that wide). Phi-3's fused checkpoint projections are the merged ``Linear`` loaded as is.
@@ -19,6 +22,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.layers.linear import Linear
 from engine.models.fused_decode import decode_one_row
+from engine.parallel import TPGroup
 from kernels.ops import Backend
 
 
@@ -54,6 +58,8 @@ class LlamaModel:
     cos_sin_cache: torch.Tensor  # [max_positions, rotary_dim] float32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     fuse_one_row_decode: bool = False  # one-sequence decode steps run engine/models/fused_decode.py
+    tp: TPGroup | None = None  # the tensor-parallel group this rank's shard belongs to (None: the whole model)
+    vocab_start: int = 0  # tensor parallel: the first token id of this rank's embedding and head rows
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Attach per-layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -116,7 +122,7 @@ class LlamaModel:
         if self.fuse_one_row_decode and batch.is_decode and batch.input_ids.shape[0] == 1:
             return decode_one_row(self, batch)
         eps = self.config.rms_norm_eps
-        hidden = self.embed_tokens[batch.input_ids]  # [num_tokens, hidden]
+        hidden = self.embed(batch.input_ids)  # [num_tokens, hidden]
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = self.backend.rms_norm(hidden, layer.input_layernorm, eps, residual)
@@ -125,7 +131,25 @@ class LlamaModel:
             hidden = self.mlp(layer, x)
         hidden, _ = self.backend.rms_norm(hidden, self.norm, eps, residual)
         selected = hidden[batch.logits_indices]  # [num_sampled, hidden]
-        return torch.nn.functional.linear(selected, self.lm_head).float()
+        return self.logits(selected)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows [num_tokens, hidden]; under tensor parallelism each rank looks up the ids of its
+        vocabulary slice (zeros for the others) and the all-reduce sums them."""
+        if self.tp is None:
+            return self.embed_tokens[input_ids]
+        local = input_ids - self.vocab_start  # [num_tokens]
+        outside = (local < 0) | (local >= self.embed_tokens.shape[0])
+        rows = self.embed_tokens[local.clamp(0, self.embed_tokens.shape[0] - 1)]  # [num_tokens, hidden]
+        return self.tp.all_reduce(rows.masked_fill_(outside[:, None], 0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [num_sampled, vocab] float32 of the rows ``hidden`` [num_sampled, hidden]; under tensor
+        parallelism the ranks' vocabulary slices are gathered (padding columns of the last slice dropped)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head)  # [num_sampled, vocab or vocab slice]
+        if self.tp is not None:
+            logits = self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
+        return logits.float()
 
     def weight_bytes(self) -> int:
         tensors = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
