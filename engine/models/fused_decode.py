@@ -24,7 +24,7 @@ def fused_decode_unsupported(model) -> str | None:
     """Why this model's one-row decode cannot use the fused layer (None when it can). Reads tensors: call at
     load time, not inside a graph capture."""
     cfg = model.config
-    if getattr(model, "tp", None) is not None:
+    if model.tp is not None:
         return "tensor parallelism: the fused layer has no all-reduce after o and down"
     if cfg.architecture == GEMMA3:  # the epilogues implement Llama's layer: x + o(attn), SiLU, w * norm(x)
         return ("Gemma 3's layer (norms after attention and around the MLP, (1 + w) norms, GeGLU, two rope "
