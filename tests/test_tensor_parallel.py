@@ -1,7 +1,8 @@
 """Issue 20: tensor parallelism (--tensor-parallel-size) on CPU: gloo between the engine process and workers.
 
 The same code runs NCCL on GPUs; here every rank is a CPU process. What a user sees: greedy tokens at TP=N equal
-TP=1 (offline and through ``app.py serve`` with the openai client), for dense and AWQ weights; a split that does
+TP=1 (offline, and through ``app.py serve`` with the openai client on the default model at TP=3), for dense and
+AWQ weights; a split that does
 not divide is refused with the numbers; a worker that dies ends the in-flight and later requests with an error
 while the server keeps answering. The TP=2 model is a random-weight Llama written by transformers whose heads
 (4 q, 2 kv) and MLP divide by 2, with biases on every projection (o and down: added once after the all-reduce)
@@ -87,9 +88,23 @@ def test_tp2_awq_greedy_equals_tp1(tiny_awq):
     assert greedy_tokens(tiny_awq, TINY_PROMPTS, tensor_parallel_size=2) == greedy_tokens(tiny_awq, TINY_PROMPTS)
 
 
-def test_tp3_on_the_default_model_equals_tp1(default_model_dir):
-    prompt = [[1, 9690, 198, 2683, 359, 253, 5356, 5646]]  # a few ids of the real vocabulary
-    assert greedy_tokens(default_model_dir, prompt, tensor_parallel_size=3) == greedy_tokens(default_model_dir, prompt)
+DEFAULT_PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 5646], [1, 9690, 198, 2683]]  # ids of the real vocabulary
+
+
+@pytest.fixture(scope="module")
+def default_tp1(default_model_dir):
+    """The default model's greedy tokens and text for DEFAULT_PROMPTS on one rank."""
+    llm = LLM(str(default_model_dir), device="cpu", dtype="float32")
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in DEFAULT_PROMPTS], GREEDY)
+        return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].text for o in outputs]
+    finally:
+        llm.engine.release()
+
+
+def test_tp3_on_the_default_model_equals_tp1(default_model_dir, default_tp1):
+    # the default model's 9 q / 3 kv heads split 3 ways (not 2: refused below)
+    assert greedy_tokens(default_model_dir, DEFAULT_PROMPTS, tensor_parallel_size=3) == default_tp1[0]
 
 
 def test_a_split_that_does_not_divide_is_refused_with_the_numbers(default_model_dir, tmp_path):
@@ -116,25 +131,23 @@ def test_act_order_and_split_groups_are_refused_by_the_row_shard():
         plain.rows(16, 32, "down_proj")
 
 
-def test_serve_tp2_matches_offline_and_survives_a_dead_worker(tiny_llama):
-    llm = LLM(str(tiny_llama), device="cpu", dtype="float32")
-    try:
-        expected = llm.generate([{"prompt_token_ids": TINY_PROMPTS[0]}], GREEDY)[0].outputs[0].text
-    finally:
-        llm.engine.release()
-    with launch_server(tiny_llama, "--tensor-parallel-size", "2", ui=False) as url:
+def test_serve_tp3_matches_offline_and_survives_a_dead_worker(default_model_dir, default_tp1):
+    # the default model through app.py serve and the openai client, split over three ranks
+    with launch_server(default_model_dir, "--tensor-parallel-size", "3", ui=False) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         model = client.models.list().data[0].id
-        reply = client.completions.create(model=model, prompt=TINY_PROMPTS[0], max_tokens=6, temperature=0)
-        assert reply.choices[0].text == expected
-        (worker,) = [p for p in worker_processes(psutil.Process()) if "app.py" in " ".join(p.parent().cmdline())]
-        stream = client.completions.create(model=model, prompt=TINY_PROMPTS[1], max_tokens=400, temperature=0,
+        reply = client.completions.create(model=model, prompt=DEFAULT_PROMPTS[0], max_tokens=6, temperature=0)
+        assert reply.choices[0].text == default_tp1[1][0]
+        workers = [p for p in worker_processes(psutil.Process()) if "app.py" in " ".join(p.parent().cmdline())]
+        assert len(workers) == 2
+        worker = workers[0]
+        stream = client.completions.create(model=model, prompt=DEFAULT_PROMPTS[1], max_tokens=400, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         with pytest.raises(openai.APIError, match="tensor-parallel"):
             for index, _chunk in enumerate(stream):
                 if index == 0:
                     worker.kill()  # mid-stream: the request in flight must end with an error
         with pytest.raises(openai.InternalServerError, match="tensor-parallel"):
-            client.completions.create(model=model, prompt=TINY_PROMPTS[0], max_tokens=6, temperature=0)
+            client.completions.create(model=model, prompt=DEFAULT_PROMPTS[0], max_tokens=6, temperature=0)
         # the server still answers (a new connection: the server closes one whose request failed in the engine)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
