@@ -31,10 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def llama_shape(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool,
-                rope_theta: float, max_positions: int) -> dict:
+                rope_theta: float, max_positions: int, family: str = "llama") -> dict:
+    """A decoder's shape; ``family`` "qwen3" adds Qwen3's per-head q/k norms (and its config class)."""
     return {"hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
-            "tie_word_embeddings": tied, "rope_theta": rope_theta, "max_position_embeddings": max_positions}
+            "tie_word_embeddings": tied, "rope_theta": rope_theta, "max_position_embeddings": max_positions,
+            "family": family}
 
 
 SHAPES: dict[str, dict] = {
@@ -44,6 +46,10 @@ SHAPES: dict[str, dict] = {
     "llama2-7b": llama_shape(4096, 11008, 32, 32, 32, 32000, False, 10000.0, 4096),
     # Llama-2-7B layer shape, 4 layers: a quick build for GPU tests
     "llama2-7b-4l": llama_shape(4096, 11008, 4, 32, 32, 32000, False, 10000.0, 4096),
+    # Llama-3-8B: GQA 32/8 heads, 128k vocabulary
+    "llama3-8b": llama_shape(4096, 14336, 32, 32, 8, 128256, False, 500000.0, 8192),
+    # Qwen3-8B: GQA 32/8 heads, q/k norms, 36 layers, 152k vocabulary
+    "qwen3-8b": llama_shape(4096, 12288, 36, 32, 8, 151936, False, 1000000.0, 40960, family="qwen3"),
     # a CPU check of the scripts end to end (GQA 4/2, untied head)
     "tiny": llama_shape(64, 128, 2, 4, 2, 512, False, 10000.0, 4096),
 }
@@ -93,15 +99,18 @@ def head_dim(shape: dict) -> int:
 
 
 def config_dict(shape: dict) -> dict:
-    """A plain HF ``config.json`` (no transformers-version-specific fields) for LlamaForCausalLM."""
+    """A plain HF ``config.json`` (no transformers-version-specific fields) for LlamaForCausalLM (or
+    Qwen3ForCausalLM)."""
+    qwen3 = shape["family"] == "qwen3"
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "llama", "hidden_act": "silu",
         "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
         "num_hidden_layers": shape["num_hidden_layers"], "num_attention_heads": shape["num_attention_heads"],
         "num_key_value_heads": shape["num_key_value_heads"], "head_dim": head_dim(shape),
         "vocab_size": shape["vocab_size"], "tie_word_embeddings": shape["tie_word_embeddings"],
         "rope_theta": shape["rope_theta"], "max_position_embeddings": shape["max_position_embeddings"],
-        "rms_norm_eps": 1e-5, "initializer_range": INIT_STD, "attention_bias": False, "mlp_bias": False,
+        "rms_norm_eps": 1e-6 if qwen3 else 1e-5, "initializer_range": INIT_STD, "attention_bias": False, "mlp_bias": False,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "use_cache": True,
         "torch_dtype": "float16", "dtype": "float16",
     }
@@ -152,6 +161,10 @@ def layer_tensors(maker: TensorMaker, shape: dict, index: int, spec: BuildSpec) 
     ones = torch.ones(h, dtype=torch.float16, device=maker.device)
     out = {f"{prefix}.input_layernorm.weight": ones,
            f"{prefix}.post_attention_layernorm.weight": ones.clone()}
+    if shape["family"] == "qwen3":  # RMSNorm of each q and k head before rotary
+        for norm in ("q_norm", "k_norm"):
+            out[f"{prefix}.self_attn.{norm}.weight"] = torch.ones(head_dim(shape), dtype=torch.float16,
+                                                                  device=maker.device)
     group = awq_group_size(shape, spec.group_size)
     for name, (rows, cols) in linear_shapes(shape).items():
         if spec.quant == "fp16":
