@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one block of an sm_90 kernel may use
 POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
                  torch.int64: "*i64"}
 
@@ -35,7 +36,7 @@ class Constexpr:
 class HopperKernel:
     registers: int  # per thread
     spilled_bytes: int  # local memory per thread (spills)
-    shared_bytes: int
+    shared_bytes: int  # what the launch asks for (the pipeline's buffers and layout conversions)
 
 
 def _arg_type(value) -> str:
@@ -68,7 +69,8 @@ def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int =
                or (type(args[name]) is int and args[name] % 16 == 0)}  # type(): a bool is not an int here
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
-    return _resource_usage(compiled.asm["cubin"])
+    usage = _resource_usage(compiled.asm["cubin"])
+    return HopperKernel(usage.registers, usage.spilled_bytes, max(usage.shared_bytes, compiled.metadata.shared))
 
 
 def _resource_usage(cubin: bytes) -> HopperKernel:

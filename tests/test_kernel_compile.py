@@ -1,5 +1,6 @@
-"""The W4A16 kernels' variants that the engine launches compile for Hopper (sm_90): every one-row GEMV variant
-of the fused decode layer, and the tensor-core planes kernel of steps with 2-16 rows.
+"""The kernels' variants that the engine launches compile for Hopper (sm_90): every one-row GEMV variant of the
+fused decode layer, the tensor-core planes kernel of steps with 2-16 rows, and paged decode / prefill attention
+at the head sizes of the supported families (64, 128, Gemma 3's 256) within the shared memory a block may use.
 
 The interpreter tests (tests/test_kernels.py) check the arithmetic; this checks that Triton's code generator and
 ptxas accept each specialization, which the interpreter never runs, and that none spills registers to local
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hopper_compile import Constexpr, compile_for_hopper
+from hopper_compile import HOPPER_SHARED_BYTES, Constexpr, compile_for_hopper
 
+from kernels.triton import decode_attention, prefill_attention
 from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
 
@@ -71,3 +73,37 @@ def test_planes_variant_compiles_for_hopper(dtype, block_n, serial, perm):
                 "BLOCK_N": block_n, "BLOCK_K": 128, "SPLITS": 8}.items()}}
     kernel = compile_for_hopper(_planes_kernel, args, num_warps=4, num_stages=3)
     assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"
+
+
+ATTENTION_STRIDES = {name: 4096 for name in ("stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
+                                             "stride_vh", "stride_bts")}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_attention_compiles_for_hopper(head_dim, split):
+    config = decode_attention._config(block_size=16, head_dim=head_dim)
+    group = 4  # q heads per kv head
+    args = {"q_ptr": F16, "k_cache": F16, "v_cache": F16, "block_tables": I32, "context_lens": I32, "out_ptr": F16,
+            "part_acc": F32, "part_ml": F32, "qk_scale": 0.1, "partition_size": 512, "window": 2**30,
+            "stride_qs": 4096, "stride_qh": head_dim, "stride_os": 4096, "stride_oh": head_dim, "num_splits": 8,
+            **ATTENTION_STRIDES,
+            **{key: Constexpr(value) for key, value in {
+                "GROUP": group, "GROUP_PAD": 16, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_SIZE": 16,
+                "BLOCK_N": config["BLOCK_N"], "SPLIT": split, "P_SPLIT": False}.items()}}
+    kernel = compile_for_hopper(decode_attention._decode_kernel, args, config["num_warps"], config["num_stages"])
+    assert kernel.spilled_bytes == 0 and kernel.shared_bytes <= HOPPER_SHARED_BYTES, kernel
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_prefill_attention_compiles_for_hopper(head_dim):
+    config = prefill_attention._config(head_dim, torch.device("cuda"))
+    args = {"q_ptr": F16, "k_cache": F16, "v_cache": F16, "block_tables": I32, "query_start_loc": I32,
+            "context_lens": I32, "out_ptr": F16, "qk_scale": 0.1, "window": 2**30, "num_seqs": 3,
+            "stride_qt": 4096, "stride_qh": head_dim, "stride_ot": 4096, "stride_oh": head_dim, **ATTENTION_STRIDES,
+            **{key: Constexpr(value) for key, value in {
+                "GROUP": 4, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_SIZE": 16,
+                "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"], "BLOCK_S": 64,
+                "PRESCALE_Q": False}.items()}}
+    kernel = compile_for_hopper(prefill_attention._prefill_kernel, args, config["num_warps"], config["num_stages"])
+    assert kernel.spilled_bytes == 0 and kernel.shared_bytes <= HOPPER_SHARED_BYTES, kernel
