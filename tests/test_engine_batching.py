@@ -62,7 +62,7 @@ def test_batched_with_preemption_matches_alone_and_transformers(default_model_di
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
-    for out in outputs:
+    for out in outputs[::4]:  # every prompt equals its lone run above; a quarter of them (3 to 59 words) vs HF
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,

@@ -28,7 +28,7 @@ LAYER0 = "model.layers.0"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 METHODS = ("rtn", "awq", "gptq")
-PARTIAL_LAYERS = 2  # layers of the default model rebuilt by the determinism tests
+PARTIAL_LAYERS = 1  # layers of the default model rebuilt by the determinism tests (every layer has the same shapes)
 
 
 @pytest.fixture(scope="session")
