@@ -115,15 +115,15 @@ def time_all(x, weights, k: int, n: int, group: int, peer_sets: int) -> dict:
 
 
 def sweep_plans(k: int, n: int, group: int, sms: int):
-    """Tile, warps, K step, pipelining and programs per SM; the split is the most that keeps the grid within
-    ``per_sm`` programs an SM (one wave)."""
-    for (block_n, warps), block_k, stages, per_sm in itertools.product(((128, 4), (128, 8), (256, 8)), (64, 128),
-                                                                       (1, 3), (4, 6, 8)):
+    """Tile, warps, K step and programs per SM; the split is the most that keeps the grid within ``per_sm``
+    programs an SM (one wave)."""
+    for (block_n, warps), block_k, per_sm in itertools.product(((128, 4), (128, 8), (256, 8)), (64, 128),
+                                                               (4, 6, 8)):
         if block_k > k or k % block_k or n % block_n:
             continue
         steps = k // block_k
         split = max(1, min(steps, per_sm * sms // -(-n // block_n), 64))
-        yield GemvPlan(block_n, block_k, split, warps, stages)
+        yield GemvPlan(block_n, block_k, split, warps)
 
 
 def time_fusions() -> None:

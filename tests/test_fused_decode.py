@@ -13,7 +13,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
-from engine.models.fused_decode import decode_one_row, fused_decode_unsupported
+from engine.models.fused_decode import fused_decode_unsupported
 from kernels.ops import Backend
 
 BLOCK_SIZE = 16

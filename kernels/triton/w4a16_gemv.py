@@ -323,7 +323,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr
     pid_n = tl.program_id(0)
@@ -335,26 +334,19 @@ def _gemv_kernel(
     rr = tl.arange(0, R)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if STAGES == 1:
-        # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
-        # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch; each step
-        # then loads the next one's into registers while it computes
-        qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k_start, k_end, rr, rn, n_mask, N, GROUP,
-                                 ROW_GROUPS)
+    # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
+    # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch; each step then
+    # loads the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
+    qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k_start, k_end, rr, rn, n_mask, N, GROUP, ROW_GROUPS)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     acc = tl.zeros([R, BLOCK_N], tl.float32)
-    if STAGES == 1:
-        for k0 in range(k_start, k_end, BLOCK_K):
-            qw_next, s_next, zz_next = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end, rr, rn,
-                                                    n_mask, N, GROUP, ROW_GROUPS)  # masked past the split's end
-            acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM, HAS_PERM, USE_ASM)
-            qw, s, zz = qw_next, s_next, zz_next
-    else:  # Triton's pipeliner keeps STAGES - 1 steps of weights in flight through shared memory
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-            qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0, k_end, rr, rn, n_mask, N, GROUP, ROW_GROUPS)
-            acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM, HAS_PERM, USE_ASM)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        qw_next, s_next, zz_next = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end, rr, rn,
+                                                n_mask, N, GROUP, ROW_GROUPS)  # masked past the split's end
+        acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM, HAS_PERM, USE_ASM)
+        qw, s, zz = qw_next, s_next, zz_next
     y = tl.sum(acc, axis=0)  # [BLOCK_N]
     if NORM:  # rmsnorm(x) . W = (weight * x) . W / rms(x): the row's scalar comes last
         y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
@@ -395,7 +387,6 @@ class GemvPlan:
     block_k: int
     split: int
     num_warps: int
-    stages: int = 1  # 1: the next K step prefetched into registers; >= 2: Triton's shared-memory pipeline
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None,
@@ -497,7 +488,7 @@ def w4a16_gemv(
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
         HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None,
         HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
-        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, STAGES=plan.stages, num_warps=plan.num_warps,
+        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out
