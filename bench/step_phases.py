@@ -58,11 +58,12 @@ def instrument(timers: PhaseTimers) -> None:
     import engine.structured_output as structured
     from engine import llm_engine, model_runner, sampler
 
-    for owner, name in [(llm_engine.LLMEngine, "step"), (llm_engine.LLMEngine, "_grammar_masks"),
+    for owner, name in [(llm_engine.LLMEngine, "step"), (llm_engine.LLMEngine, "_grammar_step"),
                         (llm_engine.LLMEngine, "_process_text"), (model_runner.ModelRunner, "launch"),
+                        (model_runner.ModelRunner, "_start_on_mask_thread"),
                         (model_runner.PendingStep, "result"), (sampler.Sampler, "sample_async"),
-                        (sampler.PendingSample, "result"), (sampler.TokenMaskUploader, "allowed_bits"),
-                        (structured.MaskJob, "run"), (structured.StructuredOutputManager, "accept_all"),
+                        (sampler.PendingSample, "result"),
+                        (structured.GrammarStep, "run"), (llm_engine.LLMEngine, "_end_completed_grammars"),
                         (sampler, "apply_token_masks"), (sampler, "apply_logits_processors")]:
         timers.wrap(owner, name)
 

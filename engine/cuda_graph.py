@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.host_to_device import to_device
 
 log = logging.getLogger("pagoda.graphs")
 
@@ -78,13 +79,13 @@ class StepInputs:
 
     def to_batch(self, device: torch.device) -> ForwardBatch:
         """Device tensors for an eager forward."""
-        def dev(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-        return ForwardBatch(input_ids=dev(self.input_ids), positions=dev(self.positions),
-                            slot_mapping=dev(self.slot_mapping), block_tables=dev(self.block_tables),
-                            query_start_loc=dev(self.query_start_loc), context_lens=dev(self.context_lens),
-                            logits_indices=dev(self.logits_indices), is_decode=self.is_decode)
+        return ForwardBatch(input_ids=to_device(self.input_ids, device),
+                            positions=to_device(self.positions, device),
+                            slot_mapping=to_device(self.slot_mapping, device),
+                            block_tables=to_device(self.block_tables, device),
+                            query_start_loc=to_device(self.query_start_loc, device),
+                            context_lens=to_device(self.context_lens, device),
+                            logits_indices=to_device(self.logits_indices, device), is_decode=self.is_decode)
 
 
 class _Region:

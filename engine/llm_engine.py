@@ -27,7 +27,7 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.structured_output import StructuredOutputManager
+from engine.structured_output import GrammarStep, StructuredOutputManager
 from engine.tokenizer import Tokenizer
 from engine.warmup import run_warmup_requests, settle_garbage_collector, use_triton_cache_under
 
@@ -105,6 +105,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._text_pending: list[tuple[Request, int | None]] = []  # (request, token) whose text is due
         self._grammar_pending: list[Request] = []  # constrained requests whose newest token no grammar has seen
+        self._grammar_job: GrammarStep | None = None  # the step in flight's grammar work
         self.counters = EngineCounters()
         log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
                f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
@@ -226,10 +227,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for req in plan.preempted:
             self.runner.forget_blocks(req.request_id)
-        masks = self._grammar_masks if self.structured.num_requests else None
-        pending = self.runner.launch(plan.scheduled, plan.copy_on_write, masks)
+        grammar = self._grammar_step if self.structured.num_requests else None
+        pending = self.runner.launch(plan.scheduled, plan.copy_on_write, grammar)
         outputs = self._process_text(final_only)
         to_sample, sampled = pending.result()
+        self._end_completed_grammars()
         token_map = {} if sampled is None else {r.request_id: t for r, t in zip(to_sample, sampled.token_ids)}
         if sampled is not None:
             for req, logprobs in zip(to_sample, sampled.logprobs):
@@ -285,24 +287,29 @@ class LLMEngine:
             req.stop_reason = reason
             self.scheduler.finish_request(req.request_id, status)
 
-    def _grammar_masks(self, to_sample: list[Request]):
-        """Called by the runner once the step's forward is queued: advance the grammars by the previous step's
-        tokens, then compute this step's masks, both while the device computes. A grammar completed by the
-        previous token ends its request here, one step late like a stop string: the token this step computes for
-        it is dropped (``update_after_step`` skips finished requests), so outputs are as if it ended at once."""
-        self._apply_grammar_stops()
-        return self.structured.mask_job(to_sample)
-
-    def _apply_grammar_stops(self) -> None:
-        """Advance each sample's grammar by its newest token (all at once); a complete grammar ends its request
-        (before min_tokens: nothing but EOS could follow), unless it ignores EOS: then EOS is all it can still
-        sample."""
-        pending, self._grammar_pending = self._grammar_pending, []
+    def _grammar_step(self, to_sample: list[Request]) -> GrammarStep | None:
+        """Called by the runner once it knows the step's rows, before it queues the forward: the grammar work
+        of the step (advance the matchers by the previous step's tokens, then this step's masks), which the
+        runner does beside the forward's launch and the previous step's text."""
         if not self.structured.num_requests:
+            return None
+        pending, self._grammar_pending = self._grammar_pending, []
+        self._grammar_job = self.structured.step_job([req for req in pending if not req.is_finished], to_sample)
+        return self._grammar_job
+
+    def _end_completed_grammars(self) -> None:
+        """End each request whose grammar its newest token completed (before min_tokens: nothing but EOS could
+        follow), unless it ignores EOS: then EOS is all it can still sample. One step late, like a stop string:
+        the token this step computed for it is dropped (``update_after_step`` skips finished requests), so
+        outputs are as if it ended at once. The text work of this step ran beside the grammar's, so the final
+        output comes with the next step's."""
+        job, self._grammar_job = self._grammar_job, None
+        if job is None:
             return
-        for req in self.structured.accept_all([req for req in pending if not req.is_finished]):
-            if not req.sampling_params.ignore_eos:
+        for req in job.completed:
+            if not req.sampling_params.ignore_eos and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                self._text_pending.append((req, None))  # its text is final: the next step's text work says so
 
     def _apply_text_stops(self, group: RequestGroup, req: Request, token: int | None) -> None:
         """Feed the token to the request's detokenizer; a completed stop string ends the request (or, when

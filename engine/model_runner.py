@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +19,12 @@ from engine.cuda_graph import StepGraphs, StepInputs
 from engine.errors import EngineError
 from engine.fit import cpu_kv_cache_bytes, cuda_budget_bytes
 from engine.forward_batch import ForwardBatch
+from engine.host_to_device import to_device
 from engine.model_loader import load_model, read_config_dict
 from engine.parallel import check_divides
 from engine.request import Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
-from engine.structured_output import MaskJob
+from engine.structured_output import GrammarStep, TokenMasks
 from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
 
@@ -128,7 +130,7 @@ class ModelRunner:
         self._release_cached_blocks()  # loading's temporaries (checkpoint tensors before the repack)
         self.config: ModelConfig = self.model.config
         self.max_model_len = max_model_len
-        self.sampler = Sampler(seed=args.seed)
+        self.sampler = Sampler(seed=args.seed, backend=self.backend)
         self.weight_bytes = self.model.weight_bytes()
         self.use_cuda_graphs = (device.type == "cuda" and self.backend.use_triton and not args.enforce_eager
                                 and self.workers is None)  # graphs do not capture the all-reduce yet
@@ -325,16 +327,20 @@ class ModelRunner:
         return inputs, to_sample
 
     def launch(self, scheduled, copy_on_write: list[tuple[int, int]],
-               token_masks: Callable[[list[Request]], MaskJob | None] | None = None) -> PendingStep:
+               grammar: Callable[[list[Request]], GrammarStep | None] | None = None) -> PendingStep:
         """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
         sampling of requests whose known tokens are all computed; the device works while the caller goes on.
-        ``token_masks`` gives the grammar bitmasks of the rows to sample: it runs on the host after the forward
-        is queued, so the masks are computed while the device computes the logits."""
+        ``grammar`` gives the step's grammar work for the rows to sample (advance the matchers, then compute
+        the bitmasks). From MASK_THREAD_MIN_ROWS rows it runs on the mask thread, started before the forward is
+        queued so its llguidance calls (which release the GIL) run beside the launch and the caller's text work;
+        fewer rows run here once the forward is queued."""
         self.copy_blocks(copy_on_write)
         if not scheduled:
             self._send_step(None, copy_on_write)
             return PendingStep([], None)
         inputs, to_sample = self.step_inputs(scheduled)
+        job = grammar(to_sample) if grammar is not None and to_sample else None
+        threaded = self._start_on_mask_thread(job) if job is not None and job.num_rows >= MASK_THREAD_MIN_ROWS else None
         self._send_step(inputs, copy_on_write)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
@@ -343,12 +349,25 @@ class ModelRunner:
             logits = self._forward(inputs)  # [num_sampled, vocab] float32
         if not to_sample:
             return PendingStep([], None)
-        job = token_masks(to_sample) if token_masks is not None else None
-        if job is None or job.num_rows < MASK_THREAD_MIN_ROWS:  # a few rows: the thread hand-off costs more
+        if threaded is None:
             masks = job.run() if job is not None else None
             return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks))
-        masks = self._mask_thread().submit(job.run)  # llguidance works while the caller's thread does text
-        return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, masks.result()))
+        return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, threaded.result()))
+
+    def _start_on_mask_thread(self, job: GrammarStep) -> Future:
+        """Submit ``job`` and return once the thread runs it. The thread needs the GIL to start, and the caller
+        next runs Python (the forward's launch, the text work) that keeps it: without the wait the job started
+        only when the caller blocked on it, after all that work, not beside it (a microbench on the H200 host:
+        mask || 200 us of Python took 495 us without the wait, 336 us with it)."""
+        running = threading.Event()
+
+        def run() -> TokenMasks | None:
+            running.set()
+            return job.run()
+
+        future = self._mask_thread().submit(run)
+        running.wait()
+        return future
 
     def _mask_thread(self) -> ThreadPoolExecutor:
         if self._mask_worker is None:
@@ -385,8 +404,8 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[
     """Copy (src, dst) block contents in every layer's K and V cache."""
     if not pairs:
         return
-    src = torch.tensor([s for s, _ in pairs], device=device)
-    dst = torch.tensor([d for _, d in pairs], device=device)
+    src = to_device([s for s, _ in pairs], device)
+    dst = to_device([d for _, d in pairs], device)
     for k_cache, v_cache in kv_caches:
         k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
         v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

@@ -21,8 +21,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.host_to_device import to_device
 from engine.request import Logprob, Request
 from engine.structured_output import TokenMasks
+from kernels.ops import Backend
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # spreads sample_index over the 64-bit seed space
 _NEG_INF = float("-inf")
@@ -61,12 +63,12 @@ class PendingSample:
 class Sampler:
     """Owns the random state of sampling: one generator per device for unseeded rows, one per seeded request."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, backend: Backend | None = None):
         self.seed = seed
+        self.backend = backend or Backend(use_triton=False)  # applies grammar masks (a Triton pass on a GPU)
         self._device_generators: dict[str, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
         self._history = TokenHistory()
-        self._mask_uploader = TokenMaskUploader()
 
     def free(self, request_id: str) -> None:
         """Forget a finished request's generator and token history. Not on preemption: the stream continues."""
@@ -90,12 +92,15 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} must be [num_seqs={len(requests)}, vocab]")
         logits = logits.float()  # [num_seqs, vocab]
-        allowed = logits if token_masks is None else apply_token_masks(logits, token_masks, self._mask_uploader)
+        if token_masks is not None:
+            allowed = apply_token_masks(logits, token_masks, self.backend)
+        else:
+            allowed = logits
         processed = apply_logits_processors(allowed, requests, self._history)  # [num_seqs, vocab]
         token_ids = processed.argmax(dim=-1)  # [num_seqs] greedy choice; ties -> lowest id
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
-            rows = _on_device(random_rows, logits.device)
+            rows = to_device(random_rows, logits.device)
             chosen = self._sample_rows(processed[rows], [requests[i] for i in random_rows])
             token_ids[rows] = chosen
         return PendingSample(logits, token_ids, requests)
@@ -104,15 +109,15 @@ class Sampler:
         """Temperature, top-k, top-p, min-p, then the exponential race. ``logits``: [n, vocab], owned."""
         device = logits.device
         params = [r.sampling_params for r in requests]
-        temperature = _on_device([p.temperature for p in params], device)  # [n]
+        temperature = to_device([p.temperature for p in params], device)  # [n]
         logits = logits.div_(temperature[:, None])
         vocab = logits.shape[1]
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-            top_k = _on_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
-            top_p = _on_device([p.top_p for p in params], device)
+            top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
+            top_p = to_device([p.top_p for p in params], device)
             logits = apply_top_k_top_p(logits, top_k, top_p)
         if any(p.min_p > 0.0 for p in params):
-            logits = apply_min_p(logits, _on_device([p.min_p for p in params], device))
+            logits = apply_min_p(logits, to_device([p.min_p for p in params], device))
         probs = logits.softmax(dim=-1)  # [n, vocab]
         noise = self._exponential_noise(requests, probs.shape, device)  # [n, vocab]
         return probs.div_(noise).argmax(dim=-1)
@@ -124,7 +129,7 @@ class Sampler:
         if len(unseeded) == len(requests):
             noise.exponential_(generator=self._device_generator(device))
         elif unseeded:
-            rows = _on_device(unseeded, device)
+            rows = to_device(unseeded, device)
             fresh = torch.empty((len(unseeded), shape[1]), device=device)
             noise[rows] = fresh.exponential_(generator=self._device_generator(device))
         for i, request in enumerate(requests):
@@ -150,78 +155,20 @@ class Sampler:
         return generator
 
 
-def _on_device(values: list, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values, device=device)`` without waiting for the device.
-
-    A tensor built from Python values goes up from pageable memory, and such a copy waits for everything
-    queued on the stream: the whole forward. Every temperature, top-p, penalty, logit-bias or min-tokens step
-    made the host sit out the forward there, so the text work of the previous step no longer overlapped it.
-    From pinned memory the copy is queued like a kernel (torch's host allocator keeps the buffer until it ran).
-    """
-    host = torch.tensor(values)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, uploader: TokenMaskUploader | None = None
-                      ) -> torch.Tensor:
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, backend: Backend | None = None) -> torch.Tensor:
     """A copy of ``logits`` with the tokens a row's grammar forbids at -inf (rows without a mask untouched).
 
     The packed bitmask ([rows, ceil(vocab / 32)] int32, bit ``i % 32`` of word ``i // 32`` for token ``i``)
-    travels to the device as is (32x smaller than a bool mask) and is unpacked there with one shift-and.
+    travels to the device as is (32x smaller than a bool mask), from pinned memory so the host does not wait
+    for the forward, and is applied there in one pass (``Backend.masked_logits``: one Triton launch on a GPU).
+    A host buffer kept between steps had to wait for its previous upload first, which cost 256 us a step at
+    32 rows on the H200 host; torch's pinned-memory cache hands out a free block instead.
     """
-    uploader = uploader or TokenMaskUploader()
-    allowed = uploader.allowed_bits(masks, logits.shape[0], logits.shape[1], logits.device)  # [rows, vocab]
-    return logits.masked_fill(allowed == 0, _NEG_INF)
-
-
-class TokenMaskUploader:
-    """Puts a step's grammar bitmasks on the device without stalling the host.
-
-    Every row of the batch gets its packed words (all bits set for an unconstrained row), written into a pinned
-    host buffer kept between steps and copied asynchronously, so the sampler's kernels are queued while the
-    device still computes the forward. A pageable copy (``torch.from_numpy(...).to(device)``) and a per-step
-    row-index tensor each waited for the device to drain first, which put the sampler's launch time on the
-    critical path of every constrained step (BENCHMARKS.md, issue 17).
-    """
-
-    def __init__(self):
-        self._host: torch.Tensor | None = None  # pinned int32 [capacity, words]
-        self._copied: torch.cuda.Event | None = None  # the last upload out of the host buffer
-        self._shifts: dict[str, torch.Tensor] = {}
-
-    def allowed_bits(self, masks: TokenMasks, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-        """[num_rows, vocab] int32, 1 where the row may sample the token."""
-        words = masks.bitmask.shape[1]
-        host = self._buffer(num_rows, words, device)
-        view = host.numpy()
-        view.fill(-1)
-        view[masks.rows] = masks.bitmask
-        packed = host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()  # [rows, words]
-        if device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        bits = ((packed[:, :, None] >> self._shift_table(device)) & 1).view(num_rows, -1)  # [rows, words * 32]
-        if bits.shape[1] < vocab:  # the model has more logits than the grammar's vocabulary: never allowed
-            bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
-        return bits[:, :vocab]
-
-    def _buffer(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's upload has left the buffer (normally long ago)
-        host = self._host
-        if host is None or host.shape[0] < num_rows or host.shape[1] != words:
-            capacity = max(num_rows, 2 * (host.shape[0] if host is not None else 0), 8)
-            host = torch.empty((capacity, words), dtype=torch.int32, pin_memory=device.type == "cuda")
-            self._host = host
-        return host[:num_rows]
-
-    def _shift_table(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
-        if key not in self._shifts:
-            self._shifts[key] = torch.arange(32, device=device, dtype=torch.int32)
-        return self._shifts[key]
+    backend = backend or Backend(use_triton=False)
+    words = masks.bitmask.shape[1]
+    packed = np.full((logits.shape[0], words), -1, dtype=np.int32)  # [rows, words]; unconstrained: all allowed
+    packed[masks.rows] = masks.bitmask
+    return backend.masked_logits(logits, to_device(packed, logits.device))
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
@@ -250,8 +197,8 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request], history: To
     if not rows:
         return logits
     out = logits if owned else logits.clone()
-    index = (_on_device(rows, out.device), _on_device(cols, out.device))
-    return out.index_put_(index, _on_device(values, out.device), accumulate=True)
+    index = (to_device(rows, out.device), to_device(cols, out.device))
+    return out.index_put_(index, to_device(values, out.device), accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], history: TokenHistory,
@@ -272,7 +219,7 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request], history: To
     if not rows:
         return logits
     out = logits if owned else logits.clone()
-    out[_on_device(rows, out.device), _on_device(cols, out.device)] = _NEG_INF
+    out[to_device(rows, out.device), to_device(cols, out.device)] = _NEG_INF
     return out
 
 
@@ -284,8 +231,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], his
         return logits
     device, vocab = logits.device, logits.shape[1]
     seen = _token_counts([history.all_ids(requests[i]) for i in selected], vocab, device) > 0  # [n, vocab]
-    penalty = _on_device([requests[i].sampling_params.repetition_penalty for i in selected], device)[:, None]  # [n, 1]
-    rows = _on_device(selected, device)
+    penalty = to_device([requests[i].sampling_params.repetition_penalty for i in selected], device)[:, None]  # [n, 1]
+    rows = to_device(selected, device)
     sub = logits[rows]  # [n, vocab]
     penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
     out = logits if owned else logits.clone()
@@ -302,12 +249,12 @@ def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request], his
         return logits
     device, vocab = logits.device, logits.shape[1]
     counts = _token_counts([history.output_ids(requests[i]) for i in selected], vocab, device)  # [n, vocab]
-    presence = _on_device([requests[i].sampling_params.presence_penalty for i in selected], device)
-    frequency = _on_device([requests[i].sampling_params.frequency_penalty for i in selected], device)
+    presence = to_device([requests[i].sampling_params.presence_penalty for i in selected], device)
+    frequency = to_device([requests[i].sampling_params.frequency_penalty for i in selected], device)
     penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)  # [n, vocab]
     out = logits if owned else logits.clone()
     # index_put_ rather than a 2-D index_add_, which is pathologically slow on CPU in recent torch.
-    return out.index_put_((_on_device(selected, device),), -penalty, accumulate=True)
+    return out.index_put_((to_device(selected, device),), -penalty, accumulate=True)
 
 
 def _token_counts(id_arrays: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
@@ -403,7 +350,7 @@ def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     if not wanted:
         return result
-    rows = _on_device(wanted, raw_logits.device)
+    rows = to_device(wanted, raw_logits.device)
     logprobs = torch.log_softmax(raw_logits[rows], dim=-1)  # [m, vocab]
     chosen_ids = token_ids[rows]  # [m]
     chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1)  # [m]

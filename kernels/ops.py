@@ -77,3 +77,7 @@ class Backend:
 
     def w4a16_gemv(self, x, qweight, scales, zeros, group_size, perm=None, **fused):
         return self._for("w4a16_gemv").w4a16_gemv(x, qweight, scales, zeros, group_size, perm, **fused)
+
+    def masked_logits(self, logits, bits):
+        return self._for("masked_logits").masked_logits(logits, bits)
+

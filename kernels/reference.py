@@ -235,3 +235,18 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         reshape_and_cache(k, v, rope["k_cache"], rope["v_cache"], rope["slot_mapping"])
         return q.reshape(1, q_size)
     return y
+
+
+def masked_logits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """A new ``logits`` [rows, vocab] with each row's disallowed tokens at -inf.
+
+    ``bits`` [rows, words] int32 is a packed grammar mask: bit ``i % 32`` of word ``i // 32`` set when token ``i``
+    is allowed; tokens past ``32 * words`` are disallowed.
+    """
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)  # [rows, words * 32]
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(allowed[:, :vocab] == 0, float("-inf"))
+

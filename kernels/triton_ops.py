@@ -15,13 +15,24 @@ Shapes:
                       -> [M, N]
   w4a16_gemv          x [1, K] and the same weights, with a fused RMSNorm before and a residual add, SiLU x up
                       or rotary + KV-cache write after (reference.w4a16_gemv) -> [1, N], [1, N // 2] or q
+  masked_logits       logits [rows, vocab] fp32; bits [rows, ceil(vocab / 32)] int32 (packed grammar mask)
+                      -> [rows, vocab], -inf where the bit is clear
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.triton import activation, cache, decode_attention, norm, prefill_attention, rotary, w4a16
+from kernels.triton import (
+    activation,
+    cache,
+    decode_attention,
+    norm,
+    prefill_attention,
+    rotary,
+    token_mask,
+    w4a16,
+)
 from kernels.triton import w4a16_gemv as gemv
 
 
@@ -96,3 +107,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                bias: torch.Tensor | None = None) -> torch.Tensor:
     return gemv.w4a16_gemv(x, qweight, scales, zeros, group_size, perm, norm_weight=norm_weight, eps=eps,
                            residual=residual, silu=silu, rope=rope, bias=bias)
+
+
+def masked_logits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    return token_mask.masked_logits(logits, bits)
+

@@ -79,6 +79,21 @@ def check_silu_and_mul(device: str, dtype: torch.dtype, tokens: int, inter: int)
     assert_close(_ops().silu_and_mul(x), ref.silu_and_mul(x), TOL[dtype]["elementwise"], "silu_and_mul")
 
 
+def check_masked_logits(device: str, rows: int, vocab: int, words: int) -> None:
+    """Random packed grammar masks (bit 31, the int32 sign bit, included), a vocabulary that may run past the
+    mask's 32 * words tokens (those are never allowed) or stop inside its last word."""
+    logits = torch.randn(rows, vocab, device=device)
+    bits = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, device=device)
+    bits[0] = -1  # an unconstrained row: all bits set
+    poison(device, logits.numel() * logits.element_size())
+    out = _ops().masked_logits(logits, bits)
+    expected = ref.masked_logits(logits, bits)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.equal(torch.isinf(out), torch.isinf(expected)), "masked_logits: different tokens masked"
+    assert torch.equal(out[torch.isfinite(expected)], expected[torch.isfinite(expected)])
+    assert bool((out[torch.isinf(out)] < 0).all())
+
+
 def check_rotary(
     device: str, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, max_pos: int
 ) -> None:
@@ -352,6 +367,11 @@ def test_rms_norm(dtype, residual):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_silu_and_mul(dtype):
     check_silu_and_mul("cpu", dtype, tokens=3, inter=80)
+
+
+@pytest.mark.parametrize(("vocab", "words"), [(70, 3), (100, 3), (2049, 65)])
+def test_masked_logits(vocab, words):
+    check_masked_logits("cpu", rows=3, vocab=vocab, words=words)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hopper_compile import HOPPER_SHARED_BYTES, Constexpr, compile_for_hopper
 
-from kernels.triton import decode_attention, prefill_attention
+from kernels.triton import decode_attention, prefill_attention, token_mask
 from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
 
@@ -106,3 +106,11 @@ def test_prefill_attention_compiles_for_hopper(head_dim):
                 "PRESCALE_Q": False}.items()}}
     kernel = compile_for_hopper(prefill_attention._prefill_kernel, args, config["num_warps"], config["num_stages"])
     assert kernel.spilled_bytes == 0 and kernel.shared_bytes <= HOPPER_SHARED_BYTES, kernel
+
+
+def test_masked_logits_compiles_for_hopper():
+    args = {"logits_ptr": F32, "bits_ptr": I32, "out_ptr": F32, "vocab": 151936, "words": 4748,
+            "stride_logits": 151936, "stride_bits": 4748, "stride_out": 151936, "BLOCK": Constexpr(token_mask._BLOCK)}
+    kernel = compile_for_hopper(token_mask._masked_logits_kernel, args, num_warps=4)
+    assert kernel.spilled_bytes == 0
+

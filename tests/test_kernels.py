@@ -42,6 +42,7 @@ def test_triton_ops_have_the_reference_signatures():
         "paged_decode_attention",
         "w4a16_matmul",
         "w4a16_gemv",
+        "masked_logits",
     ]:
         assert inspect.signature(getattr(triton_ops, name)) == inspect.signature(getattr(reference, name)), (
             name
@@ -76,6 +77,13 @@ DTYPES = [torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("residual", [False, True])
 def test_gpu_rms_norm(dtype, residual):
     _cases().check_rms_norm("cuda", dtype, tokens=333, hidden=4096, residual=residual)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("rows", "vocab", "words"), [(1, 49152, 1536), (32, 151936, 4748), (7, 32064, 1000)])
+def test_gpu_masked_logits(rows, vocab, words):
+    _cases().check_masked_logits("cuda", rows, vocab, words)
 
 
 @pytest.mark.gpu
