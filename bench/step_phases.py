@@ -57,6 +57,7 @@ class PhaseTimers:
 def instrument(timers: PhaseTimers) -> None:
     import engine.structured_output as structured
     from engine import llm_engine, model_runner, sampler
+    from kernels import ops
 
     for owner, name in [(llm_engine.LLMEngine, "step"), (llm_engine.LLMEngine, "_grammar_step"),
                         (llm_engine.LLMEngine, "_process_text"), (model_runner.ModelRunner, "launch"),
@@ -64,7 +65,8 @@ def instrument(timers: PhaseTimers) -> None:
                         (model_runner.PendingStep, "result"), (sampler.Sampler, "sample_async"),
                         (sampler.PendingSample, "result"),
                         (structured.GrammarStep, "run"), (llm_engine.LLMEngine, "_end_completed_grammars"),
-                        (sampler, "apply_token_masks"), (sampler, "apply_logits_processors")]:
+                        (sampler, "apply_token_masks"), (sampler, "apply_logits_processors"), (sampler, "to_device"),
+                        (ops.Backend, "masked_logits")]:
         timers.wrap(owner, name)
 
 

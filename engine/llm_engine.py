@@ -27,7 +27,7 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.structured_output import GrammarStep, StructuredOutputManager
+from engine.structured_output import GrammarStep, HostArray, StructuredOutputManager
 from engine.tokenizer import Tokenizer
 from engine.warmup import run_warmup_requests, settle_garbage_collector, use_triton_cache_under
 
@@ -287,14 +287,15 @@ class LLMEngine:
             req.stop_reason = reason
             self.scheduler.finish_request(req.request_id, status)
 
-    def _grammar_step(self, to_sample: list[Request]) -> GrammarStep | None:
+    def _grammar_step(self, to_sample: list[Request], host_array: HostArray) -> GrammarStep | None:
         """Called by the runner once it knows the step's rows, before it queues the forward: the grammar work
         of the step (advance the matchers by the previous step's tokens, then this step's masks), which the
         runner does beside the forward's launch and the previous step's text."""
         if not self.structured.num_requests:
             return None
         pending, self._grammar_pending = self._grammar_pending, []
-        self._grammar_job = self.structured.step_job([req for req in pending if not req.is_finished], to_sample)
+        newest = [req for req in pending if not req.is_finished]
+        self._grammar_job = self.structured.step_job(newest, to_sample, host_array)
         return self._grammar_job
 
     def _end_completed_grammars(self) -> None:

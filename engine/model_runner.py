@@ -24,7 +24,7 @@ from engine.model_loader import load_model, read_config_dict
 from engine.parallel import check_divides
 from engine.request import Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
-from engine.structured_output import GrammarStep, TokenMasks
+from engine.structured_output import GrammarStep, HostArray, TokenMasks
 from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
 
@@ -77,6 +77,7 @@ class ModelRunner:
                  max_model_len: int):
         self.args, self.device, self.dtype = args, device, dtype
         self._mask_worker: ThreadPoolExecutor | None = None  # grammar masks of constrained steps
+        self._mask_host: torch.Tensor | None = None  # the last grammar bitmask in host memory (see _host_array)
         self.backend = Backend.for_device(device, force_reference=args.force_reference_kernels)
         self.workers = None  # tensor parallel: ranks 1..N-1 (engine/tp_worker.py); this runner is rank 0
         self._threads_before: int | None = None  # CPU tensor parallel: torch threads to restore at release
@@ -327,7 +328,8 @@ class ModelRunner:
         return inputs, to_sample
 
     def launch(self, scheduled, copy_on_write: list[tuple[int, int]],
-               grammar: Callable[[list[Request]], GrammarStep | None] | None = None) -> PendingStep:
+               grammar: Callable[[list[Request], HostArray], GrammarStep | None] | None = None
+               ) -> PendingStep:
         """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
         sampling of requests whose known tokens are all computed; the device works while the caller goes on.
         ``grammar`` gives the step's grammar work for the rows to sample (advance the matchers, then compute
@@ -339,7 +341,7 @@ class ModelRunner:
             self._send_step(None, copy_on_write)
             return PendingStep([], None)
         inputs, to_sample = self.step_inputs(scheduled)
-        job = grammar(to_sample) if grammar is not None and to_sample else None
+        job = grammar(to_sample, self._host_array) if grammar is not None and to_sample else None
         threaded = self._start_on_mask_thread(job) if job is not None and job.num_rows >= MASK_THREAD_MIN_ROWS else None
         self._send_step(inputs, copy_on_write)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
@@ -353,6 +355,14 @@ class ModelRunner:
             masks = job.run() if job is not None else None
             return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks))
         return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, threaded.result()))
+
+    def _host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        """An uninitialised host array for a step's grammar bitmask, in pinned memory on a GPU so it goes up
+        without a staging copy. The runner holds the tensor until the next step's: the copy reads it
+        asynchronously and is done once that step's tokens were read, which comes before the next launch."""
+        torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        self._mask_host = torch.empty(shape, dtype=torch_dtype, pin_memory=self.device.type == "cuda")
+        return self._mask_host.numpy()
 
     def _start_on_mask_thread(self, job: GrammarStep) -> Future:
         """Submit ``job`` and return once the thread runs it. The thread needs the GIL to start, and the caller

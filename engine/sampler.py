@@ -161,13 +161,14 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, backend: Backend 
     The packed bitmask ([rows, ceil(vocab / 32)] int32, bit ``i % 32`` of word ``i // 32`` for token ``i``)
     travels to the device as is (32x smaller than a bool mask), from pinned memory so the host does not wait
     for the forward, and is applied there in one pass (``Backend.masked_logits``: one Triton launch on a GPU).
-    A host buffer kept between steps had to wait for its previous upload first, which cost 256 us a step at
-    32 rows on the H200 host; torch's pinned-memory cache hands out a free block instead.
+    The engine's grammar step writes every row's words into pinned memory already, so nothing is copied on
+    the host here.
     """
     backend = backend or Backend(use_triton=False)
-    words = masks.bitmask.shape[1]
-    packed = np.full((logits.shape[0], words), -1, dtype=np.int32)  # [rows, words]; unconstrained: all allowed
-    packed[masks.rows] = masks.bitmask
+    packed = masks.bitmask  # [rows, words]
+    if len(masks.rows) != logits.shape[0]:  # some rows only: the others may sample anything
+        packed = np.full((logits.shape[0], packed.shape[1]), -1, dtype=np.int32)
+        packed[masks.rows] = masks.bitmask
     return backend.masked_logits(logits, to_device(packed, logits.device))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -155,10 +156,14 @@ def _first_line(messages: list[str]) -> str:
 
 
 class TokenMasks(NamedTuple):
-    """The constrained rows of one step's batch and their bitmasks: ``bitmask[k]`` is row ``rows[k]``'s."""
+    """Rows of one step's batch and their bitmasks: ``bitmask[k]`` is row ``rows[k]``'s (a grammar step gives
+    every row, the unconstrained ones all ones, so the sampler uploads the array as it is)."""
 
     rows: list[int]
     bitmask: np.ndarray  # [len(rows), ceil(vocab / 32)] int32
+
+
+HostArray = Callable[[tuple[int, ...], type], np.ndarray]  # (shape, dtype) -> an uninitialised array
 
 
 class GrammarStep:
@@ -170,7 +175,7 @@ class GrammarStep:
     new token completed, for the engine to end."""
 
     def __init__(self, executor, consume: list[tuple[object, _Constraint, int]], rows: list[int],
-                 bitmask: np.ndarray, masked: list[tuple[_Constraint, int]], completed: list,
+                 bitmask: np.ndarray | None, masked: list[tuple[_Constraint, int]], completed: list,
                  eos_token_ids: list[int]):
         self._executor, self._consume, self._rows, self._bitmask = executor, consume, rows, bitmask
         self._masked, self._eos_token_ids = masked, eos_token_ids  # masked: (constraint, row k of bitmask)
@@ -313,11 +318,13 @@ class StructuredOutputManager:
         job = self.step_job([], requests)
         return None if job is None else job.run()
 
-    def step_job(self, newest: list, to_sample: list) -> GrammarStep | None:
+    def step_job(self, newest: list, to_sample: list, host_array: HostArray = np.empty) -> GrammarStep | None:
         """A step's grammar work: ``newest`` are the requests whose newest token no matcher has seen yet,
         ``to_sample`` the step's rows. Picked here (on the stepping thread): the matchers to advance, the rows
         to mask and their matchers; a grammar still waiting for ``starts_after`` is advanced here (it decodes
-        text). ``GrammarStep.run`` does the llguidance calls. None when there is nothing to do."""
+        text). ``GrammarStep.run`` does the llguidance calls. None when there is nothing to do.
+        ``host_array(shape, dtype)`` allocates the bitmask (the runner gives pinned memory on a GPU, so the
+        sampler's upload needs no staging copy)."""
         completed, consume = [], []
         for request in newest:
             constraint = self._constraints.get(request.request_id)
@@ -328,33 +335,36 @@ class StructuredOutputManager:
                     completed.append(request)
             else:
                 consume.append((request, constraint, int(request.output_token_ids[-1])))
-        rows, bitmask, masked = self._rows_to_mask(to_sample)
+        rows, bitmask, masked = self._rows_to_mask(to_sample, host_array)
         if not (consume or rows or completed):
             return None
         executor = self._executor_or_new() if consume or masked else None
         return GrammarStep(executor, consume, rows, bitmask, masked, completed, self._eos_token_ids)
 
-    def _rows_to_mask(self, requests: list) -> tuple[list[int], np.ndarray, list[tuple[_Constraint, int]]]:
-        """The rows of ``requests`` whose grammar applies (or whose marker guard does), their bitmask array
-        ([rows, words] int32, guard rows filled) and the (constraint, row) pairs still to compute."""
-        rows, guards, masked = [], {}, []
+    def _rows_to_mask(self, requests: list, host_array: HostArray
+                      ) -> tuple[list[int], np.ndarray | None, list[tuple[_Constraint, int]]]:
+        """When a row of ``requests`` is constrained (its grammar or its marker guard applies): every row, a
+        bitmask of the whole batch ([rows, words] int32: all ones for the unconstrained rows, guard rows
+        filled) and the (constraint, row) pairs still to compute. Nothing otherwise."""
+        guards, masked = {}, []
         for i, request in enumerate(requests):
             constraint = self._constraints.get(request.request_id)
             if constraint is None:
                 continue
             if constraint.starts_after is None:
-                masked.append((constraint, len(rows)))
-                rows.append(i)
+                masked.append((constraint, i))
                 continue
             guard = self._marker_guard.row_for(constraint.starts_after, request.output_token_ids)
             if guard is not None:
-                guards[len(rows)] = guard
-                rows.append(i)
+                guards[i] = guard
+        if not (masked or guards):
+            return [], None, []
         words = (self.compiler.vocab_size + 31) // 32
-        bitmask = np.zeros((len(rows), words), dtype=np.int32)  # [rows, words]
-        for k, guard in guards.items():
-            bitmask[k] = guard
-        return rows, bitmask, masked
+        bitmask = host_array((len(requests), words), np.int32)  # [rows, words]
+        bitmask.fill(-1)
+        for i, guard in guards.items():
+            bitmask[i] = guard
+        return list(range(len(requests))), bitmask, masked
 
     def accept(self, request, token_id: int) -> bool:
         """Advance the sample's matcher by its new token; True when its grammar is complete (the request may
