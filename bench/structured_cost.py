@@ -31,7 +31,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import BenchRun, add_common_args, at_most, engine_kwargs, info, model_for, shape_label
+from bench.common import (
+    BenchRun,
+    add_common_args,
+    at_least,
+    at_most,
+    engine_kwargs,
+    info,
+    model_for,
+    shape_label,
+)
 from bench.throughput import make_requests, vocab_of
 
 NESTED_SCHEMA = {
@@ -66,13 +75,24 @@ def with_tokenizer(model_dir: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-def timed_generate(llm, prompts: list[list[int]], params) -> tuple[float, list[int]]:
-    """Wall seconds per generated token and each request's number of tokens."""
+def timed_generate(llm, prompts: list[list[int]], params, checked: list | None = None) -> tuple[float, list[int]]:
+    """Wall seconds per generated token and each request's number of tokens; ``checked`` (constrained runs)
+    gets, per request that ended on its own, whether its text parses as one JSON document."""
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     seconds = time.perf_counter() - start
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    if checked is not None:
+        checked += [parses_as_json(o.outputs[0].text) for o in outputs if o.outputs[0].finish_reason == "stop"]
     return seconds / sum(lengths), lengths
+
+
+def parses_as_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def constrained_params(schema: dict, output_len: int):
@@ -91,11 +111,11 @@ def twin_params(lengths: list[int]):
     return [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lengths]
 
 
-def cost_pairs(llm, prompts: list[list[int]], params, repeats: int) -> list[tuple[float, float]]:
+def cost_pairs(llm, prompts: list[list[int]], params, repeats: int, checked: list) -> list[tuple[float, float]]:
     """(plain, constrained) seconds per token of ``repeats`` pairs: each constrained run, then its twin."""
     pairs = []
     for _ in range(repeats):
-        constrained, lengths = timed_generate(llm, prompts, params)
+        constrained, lengths = timed_generate(llm, prompts, params, checked)
         plain, _ = timed_generate(llm, prompts, twin_params(lengths))
         pairs.append((plain, constrained))
     return pairs
@@ -115,8 +135,12 @@ def bench(run: BenchRun) -> None:
         for batch in (1, 32):
             prompts = [r.prompt for r in make_requests([(32, args.output_len)] * batch, vocab, rng)]
             timed_generate(llm, prompts, params)  # warm: the tokenizer's llguidance view, the grammar, graphs
-            pairs = cost_pairs(llm, prompts, params, args.repeats)
+            checked: list[bool] = []
+            pairs = cost_pairs(llm, prompts, params, args.repeats, checked)
             what = f"{label}, {name} schema, batch {batch}"
+            if checked:  # outputs the grammar ended (not cut by max_tokens) must be whole JSON documents
+                run.add(at_least(f"{what}: outputs that ended on their own and parse as JSON ({len(checked)})",
+                                 sum(checked) / len(checked), "fraction", 1.0))
             for side, times in (("plain twin", [p for p, _ in pairs]), ("constrained", [c for _, c in pairs])):
                 run.add(info(f"{what}, {side}: time per generated token (median)", statistics.median(times) * 1e3,
                              "ms"))

@@ -121,7 +121,9 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig)
             col = i1 + i
             if col % group == 0:
                 # Fit the group's grid on the error-compensated weights as they are now (GPTQ does the same).
-                block = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group]
+                block = w1[:, i:i + group]  # [out, group]; a group may run past the block into w
+                if block.shape[1] < group:
+                    block = torch.cat([block, w[:, i2:i2 + group - block.shape[1]]], dim=1)
                 scale, zero = fit_minmax(block, cfg.maxq, cfg.sym, include_zero=True, min_zero=cfg.min_zero)
                 scales.append(scale)
                 zeros.append(zero)

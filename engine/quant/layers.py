@@ -9,6 +9,7 @@ layer's output, fed to the next layer, carries the quantization error forward.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.quant.awq import AWQMethod
-from engine.quant.awq_search import ScaleGroup, apply_clip, apply_scales, search_clip, search_scales
+from engine.quant.awq_search import ScaleGroup, Screen, apply_clip, apply_scales, search_clip, search_scales
 from engine.quant.formats import QuantMethod
 from engine.quant.gptq import GPTQMethod
 from engine.quant.gptq_solver import GPTQConfig, HessianAccumulator, gptq_quantize
@@ -115,6 +116,8 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
                                  None if v_to_o.numel() == m["self_attn.v_proj"].out_features else v_to_o)
     groups["gate_up"] = ScaleGroup(layer.post_attention_layernorm, [m[n] for n in GATE_UP], mlp, x_mlp)
     groups["down"] = ScaleGroup(m["mlp.up_proj"], [m["mlp.down_proj"]], m["mlp.down_proj"], down_in)
+    if hidden.dtype == torch.float64:
+        add_float32_screens(layer, kwargs, groups)
     scales = {key: search_scales(g, opts.group_size, opts.n_grid, opts.duo_scaling) for key, g in groups.items()}
     for key, g in groups.items():
         apply_scales(g, scales[key])
@@ -133,6 +136,27 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
         m[name].weight.data = dequantize_dense(codes, q_scales, q_zeros,
                                                effective_group(opts.group_size, codes.shape[1]))
     return results, layer(hidden, **kwargs)
+
+
+def add_float32_screens(layer: nn.Module, kwargs: dict, groups: dict[str, ScaleGroup]) -> None:
+    """Give each scale group a float32 twin (awq_search.Screen) computed through a float32 copy of the layer,
+    so a float64 build scores its grids at float32 speed and only near-ties in float64."""
+    twin = copy.deepcopy(layer).float()
+    t = dict(twin.named_modules())
+    kwargs32 = {key: _to_float32(value) for key, value in kwargs.items()}
+    inspects = {"qkv": lambda x: twin.self_attn(hidden_states=x, **kwargs32)[0], "o": t["self_attn.o_proj"],
+                "gate_up": twin.mlp, "down": t["mlp.down_proj"]}
+    names = {"qkv": QKV, "o": ("self_attn.o_proj",), "gate_up": GATE_UP, "down": ("mlp.down_proj",)}
+    for key, group in groups.items():
+        group.screen = Screen([t[n] for n in names[key]], inspects[key], group.inputs.float())
+
+
+def _to_float32(value):
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.float()
+    if isinstance(value, tuple):
+        return tuple(_to_float32(v) for v in value)
+    return value
 
 
 def v_channel_of_o_input(attn: nn.Module, v_proj: nn.Linear, o_proj: nn.Linear) -> torch.Tensor | None:
