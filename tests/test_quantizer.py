@@ -292,7 +292,7 @@ def test_awq_scale_folding_keeps_the_full_precision_layer_unchanged():
         before = model(ids).logits
         layer = model.model.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
-        tie = v_channel_of_o_input(attn, attn.v_proj, attn.o_proj)
+        tie = v_channel_of_o_input(attn, attn.v_proj.out_features, attn.o_proj)
         assert tie is not None and tie.numel() == 64 and int(tie.max()) == 31
         dummy = torch.zeros(1, 1, 64)
         groups = [ScaleGroup(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], None, dummy),

@@ -31,6 +31,34 @@ LINEARS = QKV + O_PROJ + GATE_UP + DOWN
 
 
 @dataclass(frozen=True)
+class LayerLayout:
+    """A decoder layer's linears by role. Phi-3 keeps q/k/v in one ``qkv_proj`` (v in its last rows) and
+    gate/up in one ``gate_up_proj`` (up in its last rows); the others keep one module each."""
+
+    qkv: tuple[str, ...]
+    gate_up: tuple[str, ...]
+    v_producer: str  # the module whose (last) output rows are v, which o_proj reads
+    up_producer: str  # the module whose (last) output rows are up, which down_proj reads
+    clipped: tuple[str, ...]  # AWQ's clip search: not q/k (their errors meet in q @ k^T, which it cannot see)
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        return self.qkv + O_PROJ + self.gate_up + DOWN
+
+
+SEPARATE = LayerLayout(QKV, GATE_UP, "self_attn.v_proj", "mlp.up_proj",
+                       ("self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+FUSED = LayerLayout(("self_attn.qkv_proj",), ("mlp.gate_up_proj",), "self_attn.qkv_proj", "mlp.gate_up_proj",
+                    ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+
+
+def layer_layout(layer: nn.Module) -> LayerLayout:
+    """FUSED when the layer has Phi-3's fused projections, SEPARATE otherwise."""
+    names = dict(layer.named_modules())
+    return FUSED if "self_attn.qkv_proj" in names and "mlp.gate_up_proj" in names else SEPARATE
+
+
+@dataclass(frozen=True)
 class QuantizeOptions:
     """Everything that decides the result. ``n_grid``/``clip``/``duo_scaling`` are AWQ's, ``damp_percent`` GPTQ's.
 
@@ -77,7 +105,7 @@ def quantize_rtn_layers(layers: nn.ModuleList, layers_prefix: str, opts: Quantiz
     results = {}
     for i, layer in enumerate(layers):
         modules = dict(layer.named_modules())
-        for name in LINEARS:
+        for name in layer_layout(layer).linears:
             codes, scales, zeros = quantize_grouped(modules[name].weight.data, opts.group_size)
             results[f"{layers_prefix}.{i}.{name}"] = QuantizedLinear(codes, scales, zeros)
     return results
@@ -108,16 +136,18 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
     x_mlp = layer.post_attention_layernorm(hidden + m["self_attn.o_proj"](o_in))
     down_in = capture_input(m["mlp.down_proj"], lambda: mlp(x_mlp))  # [B, S, intermediate]
 
-    groups = {"qkv": ScaleGroup(layer.input_layernorm, [m[n] for n in QKV],
+    layout = layer_layout(layer)
+    groups = {"qkv": ScaleGroup(layer.input_layernorm, [m[n] for n in layout.qkv],
                                 lambda x: attn(hidden_states=x, **kwargs)[0], x_attn)}
-    v_to_o = v_channel_of_o_input(attn, m["self_attn.v_proj"], m["self_attn.o_proj"])
+    v_width = _v_width(attn, m, layout)
+    v_to_o = v_channel_of_o_input(attn, v_width, m["self_attn.o_proj"])
     if v_to_o is not None:
-        groups["o"] = ScaleGroup(m["self_attn.v_proj"], [m["self_attn.o_proj"]], m["self_attn.o_proj"], o_in,
-                                 None if v_to_o.numel() == m["self_attn.v_proj"].out_features else v_to_o)
-    groups["gate_up"] = ScaleGroup(layer.post_attention_layernorm, [m[n] for n in GATE_UP], mlp, x_mlp)
-    groups["down"] = ScaleGroup(m["mlp.up_proj"], [m["mlp.down_proj"]], m["mlp.down_proj"], down_in)
+        groups["o"] = ScaleGroup(m[layout.v_producer], [m["self_attn.o_proj"]], m["self_attn.o_proj"], o_in,
+                                 None if v_to_o.numel() == v_width else v_to_o)
+    groups["gate_up"] = ScaleGroup(layer.post_attention_layernorm, [m[n] for n in layout.gate_up], mlp, x_mlp)
+    groups["down"] = ScaleGroup(m[layout.up_producer], [m["mlp.down_proj"]], m["mlp.down_proj"], down_in)
     if hidden.dtype == torch.float64:
-        add_float32_screens(layer, kwargs, groups)
+        add_float32_screens(layer, kwargs, groups, layout)
     scales = {key: search_scales(g, opts.group_size, opts.n_grid, opts.duo_scaling) for key, g in groups.items()}
     for key, g in groups.items():
         apply_scales(g, scales[key])
@@ -125,12 +155,12 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
     if opts.clip:
         inputs = {"self_attn.v_proj": groups["qkv"].inputs, "self_attn.o_proj": groups["o"].inputs if "o" in groups
                   else o_in, "mlp.gate_proj": groups["gate_up"].inputs, "mlp.up_proj": groups["gate_up"].inputs,
-                  "mlp.down_proj": groups["down"].inputs}
-        for name, x in inputs.items():  # not q/k: their errors meet in q @ k^T, which a per-layer error misses
-            apply_clip(m[name], search_clip(m[name].weight.data, x, opts.group_size))
+                  "mlp.gate_up_proj": groups["gate_up"].inputs, "mlp.down_proj": groups["down"].inputs}
+        for name in layout.clipped:
+            apply_clip(m[name], search_clip(m[name].weight.data, inputs[name], opts.group_size))
 
     results = {}
-    for name in LINEARS:
+    for name in layout.linears:
         codes, q_scales, q_zeros = quantize_grouped(m[name].weight.data, opts.group_size)
         results[name] = QuantizedLinear(codes, q_scales, q_zeros)
         m[name].weight.data = dequantize_dense(codes, q_scales, q_zeros,
@@ -138,7 +168,7 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
     return results, layer(hidden, **kwargs)
 
 
-def add_float32_screens(layer: nn.Module, kwargs: dict, groups: dict[str, ScaleGroup]) -> None:
+def add_float32_screens(layer: nn.Module, kwargs: dict, groups: dict[str, ScaleGroup], layout: LayerLayout) -> None:
     """Give each scale group a float32 twin (awq_search.Screen) computed through a float32 copy of the layer,
     so a float64 build scores its grids at float32 speed and only near-ties in float64."""
     twin = copy.deepcopy(layer).float()
@@ -146,7 +176,7 @@ def add_float32_screens(layer: nn.Module, kwargs: dict, groups: dict[str, ScaleG
     kwargs32 = {key: _to_float32(value) for key, value in kwargs.items()}
     inspects = {"qkv": lambda x: twin.self_attn(hidden_states=x, **kwargs32)[0], "o": t["self_attn.o_proj"],
                 "gate_up": twin.mlp, "down": t["mlp.down_proj"]}
-    names = {"qkv": QKV, "o": ("self_attn.o_proj",), "gate_up": GATE_UP, "down": ("mlp.down_proj",)}
+    names = {"qkv": layout.qkv, "o": O_PROJ, "gate_up": layout.gate_up, "down": DOWN}
     for key, group in groups.items():
         group.screen = Screen([t[n] for n in names[key]], inspects[key], group.inputs.float())
 
@@ -159,17 +189,24 @@ def _to_float32(value):
     return value
 
 
-def v_channel_of_o_input(attn: nn.Module, v_proj: nn.Linear, o_proj: nn.Linear) -> torch.Tensor | None:
-    """For each o_proj input channel, the v_proj output channel it carries (None if not a plain head copy).
+def _v_width(attn: nn.Module, modules: dict[str, nn.Module], layout: LayerLayout) -> int:
+    """Output channels of v: v_proj's, or in a fused qkv_proj the kv heads' share of o_proj's input."""
+    if layout.v_producer == "self_attn.v_proj":
+        return modules["self_attn.v_proj"].out_features
+    return modules["self_attn.o_proj"].in_features // int(attn.num_key_value_groups)
+
+
+def v_channel_of_o_input(attn: nn.Module, v_width: int, o_proj: nn.Linear) -> torch.Tensor | None:
+    """For each o_proj input channel, the v channel (of ``v_width``) it carries (None if not a plain head copy).
 
     Without GQA that is the identity (AutoAWQ's v_proj -> o_proj scaling). With GQA, query head ``h``
     reads kv head ``h // n_rep``, so o_proj channel ``h * head_dim + d`` carries v channel
     ``(h // n_rep) * head_dim + d``; AutoAWQ skips such layers, we tie their scales instead.
     """
     head_dim = getattr(attn, "head_dim", None)
-    if not head_dim or o_proj.in_features % head_dim or v_proj.out_features % head_dim:
+    if not head_dim or o_proj.in_features % head_dim or v_width % head_dim:
         return None
-    num_heads, num_kv_heads = o_proj.in_features // head_dim, v_proj.out_features // head_dim
+    num_heads, num_kv_heads = o_proj.in_features // head_dim, v_width // head_dim
     if num_heads % num_kv_heads:
         return None
     channel = torch.arange(o_proj.in_features, device=o_proj.weight.device)
@@ -186,12 +223,13 @@ def quantize_gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
     attn, mlp = layer.self_attn, layer.mlp
     results: dict[str, QuantizedLinear] = {}
     x_attn = layer.input_layernorm(hidden)
-    results.update(gptq_group(m, QKV, x_attn, cfg))
+    layout = layer_layout(layer)
+    results.update(gptq_group(m, layout.qkv, x_attn, cfg))
     o_in = capture_input(m["self_attn.o_proj"], lambda: attn(hidden_states=x_attn, **kwargs))
     results.update(gptq_group(m, O_PROJ, o_in, cfg))
     h_mid = hidden + m["self_attn.o_proj"](o_in)
     x_mlp = layer.post_attention_layernorm(h_mid)
-    results.update(gptq_group(m, GATE_UP, x_mlp, cfg))
+    results.update(gptq_group(m, layout.gate_up, x_mlp, cfg))
     down_in = capture_input(m["mlp.down_proj"], lambda: mlp(x_mlp))
     results.update(gptq_group(m, DOWN, down_in, cfg))
     return results, h_mid + m["mlp.down_proj"](down_in)

@@ -32,9 +32,9 @@ from engine.errors import EngineError
 from engine.quant.checkpoint import write_checkpoint
 from engine.quant.formats import get_quant_method
 from engine.quant.layers import (
-    LINEARS,
     QuantizedLinear,
     QuantizeOptions,
+    layer_layout,
     quantize_awq_layer,
     quantize_gptq_layer,
     quantize_rtn_layers,
@@ -44,11 +44,12 @@ from engine.quant.rtn import check_group_size
 
 METHODS = ("awq", "gptq", "rtn")
 # Their decoder layers share the module names of engine/quant/layers.py (Qwen3's q/k norms sit inside
-# self_attn after q/k_proj, so scales folded into input_layernorm stay exact); Phi-3's fused qkv_proj and
-# gate_up_proj do not, and the quantizer refuses it. Gemma 3 is refused too: its MLP reads
-# pre_feedforward_layernorm (not post_attention_layernorm, which normalizes the attention output) and its norms
-# scale by 1 + weight, so AWQ's scales would fold into the wrong norm and the wrong way.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# self_attn after q/k_proj, so scales folded into input_layernorm stay exact); Phi-3 (Phi-3.5, Phi-4 mini) has
+# fused qkv_proj and gate_up_proj, whose v and up rows come last (layers.FUSED). Gemma 3 is refused: its MLP
+# reads pre_feedforward_layernorm (not post_attention_layernorm, which normalizes the attention output) and
+# its norms scale by 1 + weight, so AWQ's scales would fold into the wrong norm and the wrong way.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibration.txt"
 
 Log = Callable[[str], None]
@@ -177,7 +178,7 @@ def _decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, str]:
 def _check_shapes(layers: nn.ModuleList, group_size: int) -> None:
     """Fail before any work when a group size does not divide a layer's input size (AWQ and our kernels need it)."""
     modules = dict(layers[0].named_modules())
-    for name in LINEARS:
+    for name in layer_layout(layers[0]).linears:
         linear = modules[name]
         check_group_size(group_size, linear.in_features)
         if linear.out_features % 8 or linear.in_features % 8:
