@@ -29,10 +29,14 @@ class CatalogEntry:
     revision: str = "main"
     base: str | None = None
     method: str | None = None
+    group_size: int | None = None  # builds of a Hub base: the quantizer's group size
 
 
 _REQUIRED = {"id": str, "name": str, "source": str, "quantization": str, "size_gb": (int, float), "context": int}
-_OPTIONAL = {"notes": str, "repo": str, "revision": str, "base": str, "method": str}
+_OPTIONAL = {"notes": str, "repo": str, "revision": str, "base": str, "method": str, "group_size": int}
+# A build from a Hub base runs on a CUDA GPU; on a CPU only from bases this small (the SmolLM2 builds take a few
+# minutes on two cores; a 3.8B base would take hours there).
+CPU_BUILD_MAX_GB = 1.0
 
 
 def _check_entry(index: int, raw: dict) -> CatalogEntry:
@@ -55,6 +59,8 @@ def _check_entry(index: int, raw: dict) -> CatalogEntry:
         raise EngineError(f"{where} ({raw['id']}): hub entries need 'repo'")
     if raw["source"] == "bundled" and raw.get("base") and not raw.get("method"):
         raise EngineError(f"{where} ({raw['id']}): bundled quantized entries need 'method'")
+    if raw.get("group_size") is not None and not raw.get("base"):
+        raise EngineError(f"{where} ({raw['id']}): 'group_size' applies to builds (entries with a 'base')")
     return CatalogEntry(**{k: (str(v) if k == "revision" else v) for k, v in raw.items()})
 
 
@@ -98,15 +104,37 @@ def fetch(entry: CatalogEntry, catalog: Catalog, log: Callable[[str], None] = pr
         target = bundled_dir(entry)
         if bundled.is_complete(target):
             return target
-        base_dir = fetch(base, catalog, log)
-        from engine.quant.quantizer import build_bundled_quantized
-
         tmp = target.with_name(f".{entry.id}-building")
-        build_bundled_quantized(base_dir, tmp, entry.method, log=log)
+        if base.source == "hub":
+            _check_build_device(entry, base)  # before a download of many GB
+            base_dir = fetch(base, catalog, log)
+            from engine.quant.quantizer import build_from_hub_base
+
+            build_from_hub_base(base_dir, tmp, entry.method, entry.group_size or 128, log=log)
+        else:
+            base_dir = fetch(base, catalog, log)
+            from engine.quant.quantizer import build_bundled_quantized
+
+            build_bundled_quantized(base_dir, tmp, entry.method, log=log)
         return bundled.publish(tmp, target)
     from engine.hub import HubDownloader
 
     return Path(HubDownloader().download(entry.repo, revision=entry.revision))
+
+
+def builds_from_hub(entry: CatalogEntry, catalog: Catalog) -> bool:
+    """A 4-bit build made on this machine from a Hub model (downloaded first: many GB)."""
+    base = catalog.get(entry.base) if entry.source == "bundled" and entry.base else None
+    return base is not None and base.source == "hub"
+
+
+def _check_build_device(entry: CatalogEntry, base: CatalogEntry) -> None:
+    import torch
+
+    if not torch.cuda.is_available() and base.size_gb > CPU_BUILD_MAX_GB:
+        raise EngineError(f"building {entry.id} quantizes {base.id} ({base.size_gb:g} GB): that needs a CUDA GPU "
+                          f"(on this CPU it would take hours); download {base.id} to run it unquantized",
+                          param="model")
 
 
 def local_hub_snapshot(entry: CatalogEntry) -> Path | None:
@@ -127,8 +155,10 @@ def resolve_model(model: str, catalog: Catalog | None = None, auto_fetch_bundled
     entry = catalog.get(model)
     if entry is not None:
         if entry.source == "bundled":
-            if not auto_fetch_bundled and not bundled.is_complete(bundled_dir(entry)):
-                raise EngineError(f"model {model!r} is not built yet: run `python app.py fetch {model}`", param="model")
+            from_hub = builds_from_hub(entry, catalog)  # serving never starts its base's download
+            if (not auto_fetch_bundled or from_hub) and not bundled.is_complete(bundled_dir(entry)):
+                raise EngineError(f"model {model!r} is not built yet: run `python app.py fetch {model}`"
+                                  + (" or build it from the Models tab" if from_hub else ""), param="model")
             return fetch(entry, catalog, log), entry.id
         snapshot = local_hub_snapshot(entry)
         if snapshot is None:

@@ -622,3 +622,56 @@ def test_awq_build_matches_dequantized_transformers_on_gpu(gpu_checkpoint, tmp_p
     generated = gpu_generate(awq, prompts, lengths)
     assert [len(g) for g in generated] == lengths
     assert_tracks_transformers_fp16(gpu_checkpoint, generated, prompts, hf_dir=dense_dir)
+
+
+# ---- catalog builds from a Hub base (models.yaml's phi-4-mini-instruct-awq) --------------------------------
+
+def test_catalog_build_of_a_hub_model_downloads_then_quantizes(checkpoint, tmp_path, monkeypatch):
+    """A catalog entry whose base is a Hub model: ``fetch`` downloads the base (from a local fake Hub, through
+    huggingface_hub) and quantizes it with Pagoda's quantizer; serving never starts that download itself."""
+    from fake_hub import FakeHub
+
+    from engine.catalog import Catalog, builds_from_hub, fetch, resolve_model
+
+    src = checkpoint("phi4-mini")
+    files = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    (tmp_path / "models.yaml").write_text(
+        "models:\n"
+        "  - {id: tiny-phi, name: Tiny Phi, source: hub, repo: org/tiny-phi, quantization: fp32, size_gb: 0.01,"
+        " context: 256}\n"
+        "  - {id: tiny-phi-awq, name: Tiny Phi AWQ, source: bundled, base: tiny-phi, method: awq, group_size: 32,"
+        " quantization: awq, size_gb: 0.01, context: 256}\n")
+    catalog = Catalog.load(tmp_path / "models.yaml")
+    entry = catalog.get("tiny-phi-awq")
+    assert builds_from_hub(entry, catalog)
+    monkeypatch.setenv("PAGODA_HOME", str(tmp_path / "home"))
+    with FakeHub() as hub:
+        hub.add_repo("org/tiny-phi", files)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        with pytest.raises(EngineError, match="not built yet: run `python app.py fetch tiny-phi-awq`"):
+            resolve_model("tiny-phi-awq", catalog)  # even where bundled builds are made on demand
+        assert hub.file_stats("org/tiny-phi", "model.safetensors").gets == 0
+        built = fetch(entry, catalog, log=lambda msg: None)
+    assert json.loads((built / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    assert resolve_model("tiny-phi-awq", catalog)[0] == built
+    model = load_cpu(built)
+    assert isinstance(model.layers[0].gate_up_proj.parts[0], PackedInt4)
+    prompts = prompts_of((5, 30))
+    assert engine_greedy(built, prompts, 6) == transformers_dequantized_greedy(built, prompts, 6)
+
+
+def test_phi4_mini_awq_is_built_on_a_gpu_only():
+    """models.yaml's Phi-4 mini AWQ quantizes a 7.7 GB download: on a machine without a GPU it is refused before
+    anything is downloaded, with what to do instead."""
+    from engine.catalog import Catalog, builds_from_hub, fetch
+
+    catalog = Catalog.load()
+    entry = catalog.get("phi-4-mini-instruct-awq")
+    assert builds_from_hub(entry, catalog) and entry.group_size == 128 and entry.method == "awq"
+    assert not builds_from_hub(catalog.get("smollm2-135m-instruct-awq"), catalog)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the build would start a 7.7 GB download")
+    with pytest.raises(EngineError, match="needs a CUDA GPU .*download phi-4-mini-instruct to run it unquantized"):
+        fetch(entry, catalog, log=lambda msg: None)

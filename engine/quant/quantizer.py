@@ -269,3 +269,18 @@ def build_bundled_quantized(base_dir: Path, out_dir: Path, method: str, log: Log
     if method not in BUNDLED_SETTINGS:
         raise EngineError(f"bundled quantized models are awq or gptq, not {method!r}", param="method")
     return quantize_model(base_dir, out_dir, method, log=log, **BUNDLED_SETTINGS[method])
+
+
+# Builds of a Hub base run where the engine runs (a GPU: float32, minutes for a few billion parameters; the
+# bytes may differ between machines, unlike the bundled builds) with AutoAWQ's usual group size.
+FROM_HUB_SETTINGS = {"num_samples": 32, "seq_len": 512}
+
+
+def build_from_hub_base(base_dir: Path, out_dir: Path, method: str, group_size: int = 128,
+                        log: Log = print) -> Path:
+    """Quantize a downloaded Hub model (a catalog build entry such as ``phi-4-mini-instruct-awq``) on the
+    default device, calibrated on the bundled text (data/calibration.txt)."""
+    if method not in ("awq", "gptq"):
+        raise EngineError(f"catalog builds are awq or gptq, not {method!r}", param="method")
+    return quantize_model(base_dir, out_dir, method, group_size=group_size, log=log, **FROM_HUB_SETTINGS)
+
