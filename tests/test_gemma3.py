@@ -224,13 +224,79 @@ def test_awq_build_loads_and_matches_dequantized_transformers(gemma3, tmp_path):
     assert engine_greedy(awq, prompts, 8) == transformers_dequantized_greedy(awq, prompts, 8)
 
 
-def test_quantizer_refuses_gemma3(gemma3, tmp_path):
-    """Its layer walk is Llama's (scales folded into input / post_attention_layernorm as w / s); Gemma's MLP
-    reads pre_feedforward_layernorm and its norms scale by 1 + w, so it refuses rather than build a wrong model."""
+def _calibration_text(tmp_path: Path) -> Path:
+    words = torch.randint(3, VOCAB, (4 * 64,), generator=torch.Generator().manual_seed(5)).tolist()
+    path = tmp_path / "calibration.txt"
+    path.write_text(" ".join(f"w{i}" for i in words))
+    return path
+
+
+def _tracking(model, fp, sequences: list[list[int]]) -> tuple[float, float]:
+    """(top-1 agreement with the fp model, worst relative logit error) over teacher-forced ``sequences``."""
+    from test_model_families import top1_agreement
+
+    errors = []
+    for ids in sequences:
+        ours, reference = engine_prefill_logits(model, ids), engine_prefill_logits(fp, ids)
+        centred = reference - reference.mean(-1, keepdim=True)
+        errors.append(((ours - reference).norm() / centred.norm()).item())
+    return top1_agreement(model, fp, sequences), max(errors)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantizer_builds_gemma3(gemma3, tmp_path, method):
+    """Pagoda's quantizer on Gemma 3: AWQ folds its scales into norms that scale by 1 + w (the MLP's is
+    pre_feedforward_layernorm), and each layer is calibrated with its own rotary table and mask. The build
+    equals transformers on its dequantized weights, and on the calibration text (what AWQ and GPTQ minimise
+    the error on) it tracks the fp model better than plain rounding. Measured on this tiny random model: RTN
+    agreement 0.48 / logit error 0.39, AWQ 0.64 / 0.26, GPTQ 0.84 / 0.15; AWQ with the scales folded as w / s
+    (Llama's norms) 0.29 / 0.69 on unseen text, where RTN gives 0.58 / 0.36."""
+    from transformers import AutoTokenizer
+
     from engine.quant.quantizer import quantize_model
 
-    with pytest.raises(EngineError, match="the quantizer supports .*, not .'Gemma3ForCausalLM'."):
-        quantize_model(gemma3("gemma3-1b-form"), tmp_path / "out", "rtn", group_size=32, log=lambda msg: None)
+    src, calibration = gemma3("gemma3-1b-form"), _calibration_text(tmp_path)
+    options = dict(group_size=32, device="cpu", cpu_threads=1, log=lambda msg: None)
+    built = quantize_model(src, tmp_path / f"gemma3-{method}", method, calibration_path=calibration,
+                           num_samples=4, seq_len=64, **options)
+    rtn = quantize_model(src, tmp_path / "gemma3-rtn", "rtn", **options)
+    model = load_cpu(built)
+    assert all(isinstance(part, PackedInt4) for part in model.layers[0].qkv_proj.parts)
+    prompts = prompts_of((5, 70))
+    assert engine_greedy(built, prompts, 8) == transformers_dequantized_greedy(built, prompts, 8)
+    ids = AutoTokenizer.from_pretrained(src)(calibration.read_text(), add_special_tokens=False).input_ids
+    windows = [ids[i * 64:(i + 1) * 64] for i in range(4)]
+    fp = load_cpu(src)
+    (agreement, error), (rtn_agreement, rtn_error) = _tracking(model, fp, windows), _tracking(load_cpu(rtn), fp,
+                                                                                              windows)
+    assert agreement > rtn_agreement + 0.1 and error < rtn_error - 0.1, (agreement, error, rtn_agreement, rtn_error)
+
+
+def test_quantizer_gives_each_layer_its_own_rotary_table_and_mask(gemma3):
+    """Sliding layers get the local rope base and the windowed mask, global layers their own: what the model
+    itself passes each layer, captured without running the layers."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.quant.quantizer import _decoder_layers, _layer_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(gemma3("gemma3-1b-form"), dtype=torch.float64).eval()
+    layers, _ = _decoder_layers(model)
+    ids = torch.tensor(prompts_of((40, 40)))
+    hidden, kwargs = _layer_inputs(model, layers, ids, torch.device("cpu"))
+    assert hidden.shape == (2, 40, GEMMA3_TINY["hidden_size"]) and len(kwargs) == len(MIXED)
+    cos = [k["position_embeddings"][0] for k in kwargs]
+    assert torch.equal(cos[0], cos[1]) and torch.equal(cos[0], cos[3]) and not torch.equal(cos[0], cos[2])
+    expected = []
+    handles = [layer.register_forward_pre_hook(lambda m, a, k: expected.append(k), with_kwargs=True)
+               for layer in layers]
+    model.model(input_ids=ids, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    for got, want in zip(kwargs, expected):
+        assert torch.equal(got["position_embeddings"][0], want["position_embeddings"][0])
+        if torch.is_tensor(want.get("attention_mask")):
+            assert torch.equal(got["attention_mask"], want["attention_mask"])
+    assert all(layer.forward.__func__ is type(layer).forward for layer in layers)  # the stubs are gone
 
 
 def test_fit_estimate_counts_what_the_loader_holds(gemma3):
@@ -310,3 +376,14 @@ def test_greedy_tracks_transformers_on_gpu_bf16(tmp_path, kernels):
                                    max_new_tokens=len(tokens), min_new_tokens=len(tokens), pad_token_id=0)
             same += expected[0, len(prompt):].tolist() == tokens
     assert same >= 1
+
+
+def test_catalog_has_a_4bit_gemma3_built_here():
+    from engine.catalog import Catalog, builds_from_hub
+
+    catalog = Catalog.load()
+    entry = catalog.get("gemma-3-1b-it-awq")
+    assert builds_from_hub(entry, catalog) and entry.method == "awq" and entry.group_size == 128
+    # the group size divides every linear input of Gemma 3 1B (hidden 1152, 4 x 256 query dims, MLP 6912)
+    assert all(size % entry.group_size == 0 for size in (1152, 1024, 6912))
+

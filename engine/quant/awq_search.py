@@ -47,6 +47,7 @@ class ScaleGroup:
     inputs: torch.Tensor  # [..., in] full-precision calibration inputs of ``linears``
     prev_channel: torch.Tensor | None = None  # [in] output channel of ``prev`` behind each input (GQA), or None
     screen: Screen | None = None  # a float32 twin that scores the grid first (float64 searches only)
+    prev_offset: float = 0.0  # a norm ``prev`` scales by ``prev_offset + weight`` (Gemma's norms: 1 + weight)
 
 
 # Grid points whose float32 loss is within this fraction of the best one are scored again in float64. The
@@ -151,6 +152,8 @@ def apply_scales(group: ScaleGroup, scales: torch.Tensor) -> None:
         prev.weight.data[rows - prev_scales.numel():] /= prev_scales[:, None]
         if prev.bias is not None:
             prev.bias.data[rows - prev_scales.numel():] /= prev_scales
+    elif group.prev_offset:  # (offset + w) / s = offset + w': w' = (offset + w) / s - offset
+        prev.weight.data = (prev.weight.data + group.prev_offset) / scales - group.prev_offset
     else:
         prev.weight.data /= scales
         if getattr(prev, "bias", None) is not None:

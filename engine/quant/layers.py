@@ -52,6 +52,38 @@ FUSED = LayerLayout(("self_attn.qkv_proj",), ("mlp.gate_up_proj",), "self_attn.q
                     ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
 
 
+def has_sandwich_norms(layer: nn.Module) -> bool:
+    """Gemma 2/3: the attention and MLP outputs are normalised too (post_attention_layernorm normalises the
+    attention output; pre_feedforward_layernorm feeds the MLP, post_feedforward_layernorm its output)."""
+    return hasattr(layer, "pre_feedforward_layernorm")
+
+
+def mlp_norm(layer: nn.Module) -> nn.Module:
+    """The norm whose output is the MLP's input."""
+    return layer.pre_feedforward_layernorm if has_sandwich_norms(layer) else layer.post_attention_layernorm
+
+
+def norm_offset(norm: nn.Module) -> float:
+    """What a norm adds to its weight before scaling: Gemma's norms scale by 1 + weight (weights start at 0)."""
+    return 1.0 if type(norm).__name__.startswith("Gemma") else 0.0
+
+
+def after_attention(layer: nn.Module, hidden: torch.Tensor, attn_out: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the residual stream after the attention block, the MLP's input) from the layer input and o_proj's output."""
+    if has_sandwich_norms(layer):
+        attn_out = layer.post_attention_layernorm(attn_out)
+    mid = hidden + attn_out
+    return mid, mlp_norm(layer)(mid)
+
+
+def after_mlp(layer: nn.Module, mid: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+    """The layer's output from the residual stream after attention and down_proj's output."""
+    if has_sandwich_norms(layer):
+        mlp_out = layer.post_feedforward_layernorm(mlp_out)
+    return mid + mlp_out
+
+
 def layer_layout(layer: nn.Module) -> LayerLayout:
     """FUSED when the layer has Phi-3's fused projections, SEPARATE otherwise."""
     names = dict(layer.named_modules())
@@ -133,18 +165,20 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
     attn, mlp = layer.self_attn, layer.mlp
     x_attn = layer.input_layernorm(hidden)  # [B, S, hidden]
     o_in = capture_input(m["self_attn.o_proj"], lambda: attn(hidden_states=x_attn, **kwargs))
-    x_mlp = layer.post_attention_layernorm(hidden + m["self_attn.o_proj"](o_in))
+    _, x_mlp = after_attention(layer, hidden, m["self_attn.o_proj"](o_in))
     down_in = capture_input(m["mlp.down_proj"], lambda: mlp(x_mlp))  # [B, S, intermediate]
 
     layout = layer_layout(layer)
     groups = {"qkv": ScaleGroup(layer.input_layernorm, [m[n] for n in layout.qkv],
-                                lambda x: attn(hidden_states=x, **kwargs)[0], x_attn)}
+                                lambda x: attn(hidden_states=x, **kwargs)[0], x_attn,
+                                prev_offset=norm_offset(layer.input_layernorm))}
     v_width = _v_width(attn, m, layout)
     v_to_o = v_channel_of_o_input(attn, v_width, m["self_attn.o_proj"])
     if v_to_o is not None:
         groups["o"] = ScaleGroup(m[layout.v_producer], [m["self_attn.o_proj"]], m["self_attn.o_proj"], o_in,
                                  None if v_to_o.numel() == v_width else v_to_o)
-    groups["gate_up"] = ScaleGroup(layer.post_attention_layernorm, [m[n] for n in layout.gate_up], mlp, x_mlp)
+    groups["gate_up"] = ScaleGroup(mlp_norm(layer), [m[n] for n in layout.gate_up], mlp, x_mlp,
+                                   prev_offset=norm_offset(mlp_norm(layer)))
     groups["down"] = ScaleGroup(m[layout.up_producer], [m["mlp.down_proj"]], m["mlp.down_proj"], down_in)
     if hidden.dtype == torch.float64:
         add_float32_screens(layer, kwargs, groups, layout)
@@ -227,12 +261,11 @@ def quantize_gptq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
     results.update(gptq_group(m, layout.qkv, x_attn, cfg))
     o_in = capture_input(m["self_attn.o_proj"], lambda: attn(hidden_states=x_attn, **kwargs))
     results.update(gptq_group(m, O_PROJ, o_in, cfg))
-    h_mid = hidden + m["self_attn.o_proj"](o_in)
-    x_mlp = layer.post_attention_layernorm(h_mid)
+    h_mid, x_mlp = after_attention(layer, hidden, m["self_attn.o_proj"](o_in))
     results.update(gptq_group(m, layout.gate_up, x_mlp, cfg))
     down_in = capture_input(m["mlp.down_proj"], lambda: mlp(x_mlp))
     results.update(gptq_group(m, DOWN, down_in, cfg))
-    return results, h_mid + m["mlp.down_proj"](down_in)
+    return results, after_mlp(layer, h_mid, m["mlp.down_proj"](down_in))
 
 
 def gptq_group(modules: dict[str, nn.Module], names: tuple[str, ...], inputs: torch.Tensor,

@@ -43,13 +43,13 @@ from engine.quant.layers import (
 from engine.quant.rtn import check_group_size
 
 METHODS = ("awq", "gptq", "rtn")
-# Their decoder layers share the module names of engine/quant/layers.py (Qwen3's q/k norms sit inside
-# self_attn after q/k_proj, so scales folded into input_layernorm stay exact); Phi-3 (Phi-3.5, Phi-4 mini) has
-# fused qkv_proj and gate_up_proj, whose v and up rows come last (layers.FUSED). Gemma 3 is refused: its MLP
-# reads pre_feedforward_layernorm (not post_attention_layernorm, which normalizes the attention output) and
-# its norms scale by 1 + weight, so AWQ's scales would fold into the wrong norm and the wrong way.
+# Their decoder layers share the module names of engine/quant/layers.py (Qwen3's and Gemma 3's q/k norms sit
+# inside self_attn after q/k_proj, so scales folded into input_layernorm stay exact); Phi-3 (Phi-3.5, Phi-4
+# mini) has fused qkv_proj and gate_up_proj, whose v and up rows come last (layers.FUSED); Gemma 3 normalises
+# the attention and MLP outputs too, feeds its MLP from pre_feedforward_layernorm and scales by 1 + weight
+# (layers.after_attention, norm_offset), and its sliding and global layers get different rotary tables.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma3ForCausalLM")
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibration.txt"
 
 Log = Callable[[str], None]
@@ -209,42 +209,51 @@ class _StopForward(Exception):
 
 
 @torch.no_grad()
-def _layer0_inputs(model: nn.Module, layers: nn.ModuleList, ids: torch.Tensor,
-                   device: torch.device) -> tuple[torch.Tensor, dict]:
-    """Hidden states and keyword arguments (rotary cos/sin, mask) that the model passes to its first layer."""
-    captured: dict = {}
+def _layer_inputs(model: nn.Module, layers: nn.ModuleList, ids: torch.Tensor,
+                  device: torch.device) -> tuple[torch.Tensor, list[dict]]:
+    """The hidden states the model passes to its first layer and the keyword arguments (rotary cos/sin, mask)
+    it passes to each layer: Gemma 3's sliding and global layers get different ones. The layers are stubbed
+    out meanwhile (the arguments do not depend on their outputs), so nothing but the embedding runs."""
+    captured: dict = {"kwargs": []}
 
-    def catch(module, args, kwargs):
-        captured["hidden"] = args[0] if args else kwargs.pop("hidden_states")
-        captured["kwargs"] = kwargs
-        raise _StopForward
+    def stub(index: int):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            captured.setdefault("hidden", hidden)
+            captured["kwargs"].append(kwargs)
+            if index == len(layers) - 1:
+                raise _StopForward
+            return hidden
+        return forward
 
     base = model.get_decoder()
     embed, rotary = base.embed_tokens, getattr(base, "rotary_emb", None)
     embed.to(device)
     if rotary is not None:
         rotary.to(device)
-    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
     try:
         base(input_ids=ids.to(device), use_cache=False)
     except _StopForward:
         pass
     finally:
-        handle.remove()
+        for layer in layers:
+            del layer.forward  # the class's forward again
         embed.to("cpu")
     return captured["hidden"], captured["kwargs"]
 
 
 def _quantize_sequential(model: nn.Module, layers: nn.ModuleList, layers_prefix: str, ids: torch.Tensor,
                          opts: QuantizeOptions, device: torch.device, log: Log) -> dict[str, QuantizedLinear]:
-    hidden, kwargs = _layer0_inputs(model, layers, ids, device)  # [num_samples, seq_len, hidden]
+    hidden, layer_kwargs = _layer_inputs(model, layers, ids, device)  # hidden [num_samples, seq_len, hidden]
     results: dict[str, QuantizedLinear] = {}
     quantize_layer = quantize_awq_layer if opts.method == "awq" else quantize_gptq_layer
     for i, layer in enumerate(layers):
         started = time.perf_counter()
         layer.to(device)
         with torch.no_grad():
-            layer_results, hidden = quantize_layer(layer, hidden, kwargs, opts)
+            layer_results, hidden = quantize_layer(layer, hidden, layer_kwargs[i], opts)
         layer.to("cpu")
         results.update({f"{layers_prefix}.{i}.{name}": to_cpu(r) for name, r in layer_results.items()})
         log(f"[{opts.method}] layer {i + 1}/{len(layers)} quantized in {time.perf_counter() - started:.1f}s")
