@@ -104,17 +104,16 @@ def fetch(entry: CatalogEntry, catalog: Catalog, log: Callable[[str], None] = pr
         target = bundled_dir(entry)
         if bundled.is_complete(target):
             return target
-        tmp = target.with_name(f".{entry.id}-building")
-        if base.source == "hub":
+        from_hub = base.source == "hub"
+        if from_hub:
             _check_build_device(entry, base)  # before a download of many GB
-            base_dir = fetch(base, catalog, log)
-            from engine.quant.quantizer import build_from_hub_base
+        base_dir = fetch(base, catalog, log)
+        from engine.quant.quantizer import build_bundled_quantized, build_from_hub_base
 
+        tmp = target.with_name(f".{entry.id}-building")
+        if from_hub:
             build_from_hub_base(base_dir, tmp, entry.method, entry.group_size or 128, log=log)
         else:
-            base_dir = fetch(base, catalog, log)
-            from engine.quant.quantizer import build_bundled_quantized
-
             build_bundled_quantized(base_dir, tmp, entry.method, log=log)
         return bundled.publish(tmp, target)
     from engine.hub import HubDownloader

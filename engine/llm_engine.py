@@ -290,9 +290,8 @@ class LLMEngine:
     def _grammar_step(self, to_sample: list[Request], host_array: HostArray) -> GrammarStep | None:
         """Called by the runner once it knows the step's rows, before it queues the forward: the grammar work
         of the step (advance the matchers by the previous step's tokens, then this step's masks), which the
-        runner does beside the forward's launch and the previous step's text."""
-        if not self.structured.num_requests:
-            return None
+        runner does beside the forward's launch and the previous step's text. Passed to the runner only while
+        some request is constrained."""
         pending, self._grammar_pending = self._grammar_pending, []
         newest = [req for req in pending if not req.is_finished]
         self._grammar_job = self.structured.step_job(newest, to_sample, host_array)

@@ -356,12 +356,11 @@ class ModelRunner:
             return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks))
         return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, threaded.result()))
 
-    def _host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
-        """An uninitialised host array for a step's grammar bitmask, in pinned memory on a GPU so it goes up
-        without a staging copy. The runner holds the tensor until the next step's: the copy reads it
+    def _host_array(self, shape: tuple[int, int]) -> np.ndarray:
+        """An uninitialised int32 host array for a step's grammar bitmask, in pinned memory on a GPU so it goes
+        up without a staging copy. The runner holds the tensor until the next step's: the copy reads it
         asynchronously and is done once that step's tokens were read, which comes before the next launch."""
-        torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
-        self._mask_host = torch.empty(shape, dtype=torch_dtype, pin_memory=self.device.type == "cuda")
+        self._mask_host = torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         return self._mask_host.numpy()
 
     def _start_on_mask_thread(self, job: GrammarStep) -> Future:

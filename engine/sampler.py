@@ -164,12 +164,10 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, backend: Backend 
     The engine's grammar step writes every row's words into pinned memory already, so nothing is copied on
     the host here.
     """
+    if masks.bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"token masks for {masks.bitmask.shape[0]} rows, logits for {logits.shape[0]}")
     backend = backend or Backend(use_triton=False)
-    packed = masks.bitmask  # [rows, words]
-    if len(masks.rows) != logits.shape[0]:  # some rows only: the others may sample anything
-        packed = np.full((logits.shape[0], packed.shape[1]), -1, dtype=np.int32)
-        packed[masks.rows] = masks.bitmask
-    return backend.masked_logits(logits, to_device(packed, logits.device))
+    return backend.masked_logits(logits, to_device(masks.bitmask, logits.device))
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],

@@ -9,8 +9,8 @@ the ``n`` samples of a request and repeated schemas compile once.
 ``StructuredOutputManager`` keeps one matcher per running sample. Each step, a ``GrammarStep`` advances the
 matchers by the previous step's tokens and fills the token bitmask of the constrained rows (all rows at once,
 on the engine's mask thread while the engine's thread queues the forward and does the previous step's text);
-the sampler applies it. A grammar that is complete ends its request (the mask then allows only EOS). Preemption recomputes the KV of tokens the
-matcher already consumed, so the matcher needs no rollback. A grammar may start later than the first output
+the sampler applies it. A grammar that is complete ends its request (the mask then allows only EOS).
+Preemption recomputes the KV of tokens the matcher already consumed, so the matcher needs no rollback. A grammar may start later than the first output
 token: ``starts_after`` names the text (the end of a reasoning block) after which it applies.
 
 No torch here: bitmasks are numpy int32 arrays of ``ceil(vocab / 32)`` words per row, bit ``i % 32`` of word
@@ -156,14 +156,17 @@ def _first_line(messages: list[str]) -> str:
 
 
 class TokenMasks(NamedTuple):
-    """Rows of one step's batch and their bitmasks: ``bitmask[k]`` is row ``rows[k]``'s (a grammar step gives
-    every row, the unconstrained ones all ones, so the sampler uploads the array as it is)."""
+    """One step's bitmasks, a row for every row of the batch (all ones where no grammar applies), so the sampler
+    uploads the array as it is."""
 
-    rows: list[int]
-    bitmask: np.ndarray  # [len(rows), ceil(vocab / 32)] int32
+    bitmask: np.ndarray  # [num_rows, ceil(vocab / 32)] int32
 
 
-HostArray = Callable[[tuple[int, ...], type], np.ndarray]  # (shape, dtype) -> an uninitialised array
+HostArray = Callable[[tuple[int, int]], np.ndarray]  # (rows, words) -> an uninitialised int32 array
+
+
+def _numpy_int32(shape: tuple[int, int]) -> np.ndarray:
+    return np.empty(shape, dtype=np.int32)
 
 
 class GrammarStep:
@@ -174,10 +177,9 @@ class GrammarStep:
     nothing else of the manager; ``completed`` (read once ``run`` returned) lists the requests whose grammar the
     new token completed, for the engine to end."""
 
-    def __init__(self, executor, consume: list[tuple[object, _Constraint, int]], rows: list[int],
-                 bitmask: np.ndarray | None, masked: list[tuple[_Constraint, int]], completed: list,
-                 eos_token_ids: list[int]):
-        self._executor, self._consume, self._rows, self._bitmask = executor, consume, rows, bitmask
+    def __init__(self, executor, consume: list[tuple[object, _Constraint, int]], bitmask: np.ndarray | None,
+                 masked: list[tuple[_Constraint, int]], completed: list, eos_token_ids: list[int]):
+        self._executor, self._consume, self._bitmask = executor, consume, bitmask  # bitmask None: no row masked
         self._masked, self._eos_token_ids = masked, eos_token_ids  # masked: (constraint, row k of bitmask)
         self.completed = completed
 
@@ -195,9 +197,9 @@ class GrammarStep:
             else:
                 live.append((constraint.matcher, k))
         if live:
-            words = self._bitmask.shape[1]
-            self._executor.unsafe_compute_mask_ptr(live, self._bitmask.ctypes.data, words * 4, len(self._rows))
-        return TokenMasks(self._rows, self._bitmask) if self._rows else None
+            rows, words = self._bitmask.shape
+            self._executor.unsafe_compute_mask_ptr(live, self._bitmask.ctypes.data, words * 4, rows)
+        return TokenMasks(self._bitmask) if self._bitmask is not None else None
 
     def _advance(self) -> None:
         if len(self._consume) == 1:  # one matcher: the executor's hand-off costs more than the call
@@ -318,13 +320,13 @@ class StructuredOutputManager:
         job = self.step_job([], requests)
         return None if job is None else job.run()
 
-    def step_job(self, newest: list, to_sample: list, host_array: HostArray = np.empty) -> GrammarStep | None:
+    def step_job(self, newest: list, to_sample: list, host_array: HostArray | None = None) -> GrammarStep | None:
         """A step's grammar work: ``newest`` are the requests whose newest token no matcher has seen yet,
         ``to_sample`` the step's rows. Picked here (on the stepping thread): the matchers to advance, the rows
         to mask and their matchers; a grammar still waiting for ``starts_after`` is advanced here (it decodes
         text). ``GrammarStep.run`` does the llguidance calls. None when there is nothing to do.
-        ``host_array(shape, dtype)`` allocates the bitmask (the runner gives pinned memory on a GPU, so the
-        sampler's upload needs no staging copy)."""
+        ``host_array((rows, words))`` allocates the bitmask (the runner gives pinned memory on a GPU, so the
+        sampler's upload needs no staging copy; numpy memory by default)."""
         completed, consume = [], []
         for request in newest:
             constraint = self._constraints.get(request.request_id)
@@ -335,17 +337,17 @@ class StructuredOutputManager:
                     completed.append(request)
             else:
                 consume.append((request, constraint, int(request.output_token_ids[-1])))
-        rows, bitmask, masked = self._rows_to_mask(to_sample, host_array)
-        if not (consume or rows or completed):
+        bitmask, masked = self._rows_to_mask(to_sample, host_array or _numpy_int32)
+        if not (consume or completed) and bitmask is None:
             return None
         executor = self._executor_or_new() if consume or masked else None
-        return GrammarStep(executor, consume, rows, bitmask, masked, completed, self._eos_token_ids)
+        return GrammarStep(executor, consume, bitmask, masked, completed, self._eos_token_ids)
 
     def _rows_to_mask(self, requests: list, host_array: HostArray
-                      ) -> tuple[list[int], np.ndarray | None, list[tuple[_Constraint, int]]]:
-        """When a row of ``requests`` is constrained (its grammar or its marker guard applies): every row, a
-        bitmask of the whole batch ([rows, words] int32: all ones for the unconstrained rows, guard rows
-        filled) and the (constraint, row) pairs still to compute. Nothing otherwise."""
+                      ) -> tuple[np.ndarray | None, list[tuple[_Constraint, int]]]:
+        """When a row of ``requests`` is constrained (its grammar or its marker guard applies): a bitmask of the
+        whole batch ([rows, words] int32: all ones for the unconstrained rows, guard rows filled) and the
+        (constraint, row) pairs still to compute. (None, []) otherwise."""
         guards, masked = {}, []
         for i, request in enumerate(requests):
             constraint = self._constraints.get(request.request_id)
@@ -358,13 +360,13 @@ class StructuredOutputManager:
             if guard is not None:
                 guards[i] = guard
         if not (masked or guards):
-            return [], None, []
+            return None, []
         words = (self.compiler.vocab_size + 31) // 32
-        bitmask = host_array((len(requests), words), np.int32)  # [rows, words]
+        bitmask = host_array((len(requests), words))  # [rows, words] int32
         bitmask.fill(-1)
         for i, guard in guards.items():
             bitmask[i] = guard
-        return list(range(len(requests))), bitmask, masked
+        return bitmask, masked
 
     def accept(self, request, token_id: int) -> bool:
         """Advance the sample's matcher by its new token; True when its grammar is complete (the request may

@@ -170,12 +170,13 @@ def test_token_masks_forbid_exactly_the_unset_bits():
 
     vocab = 70  # three 32-bit words, the last one partly past the vocabulary
     allowed = [{3, 31, 32, 69}, {0, 63}]
-    bitmask = np.zeros((2, 3), dtype=np.int32)
-    for k, ids in enumerate(allowed):
+    bitmask = np.full((3, 3), -1, dtype=np.int32)  # row 1 unconstrained: all ones
+    for row, ids in ((0, allowed[0]), (2, allowed[1])):
+        bitmask[row] = 0
         for i in ids:
-            bitmask[k, i // 32] |= np.uint32(1 << (i % 32)).view(np.int32)
+            bitmask[row, i // 32] |= np.uint32(1 << (i % 32)).view(np.int32)
     logits = torch.randn(3, vocab)
-    masks = TokenMasks([0, 2], bitmask)
+    masks = TokenMasks(bitmask)
     masked = apply_token_masks(logits, masks)
     for row, ids in ((0, allowed[0]), (2, allowed[1])):
         finite = set(torch.nonzero(torch.isfinite(masked[row])).flatten().tolist())

@@ -181,7 +181,7 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
                                    prev_offset=norm_offset(mlp_norm(layer)))
     groups["down"] = ScaleGroup(m[layout.up_producer], [m["mlp.down_proj"]], m["mlp.down_proj"], down_in)
     if hidden.dtype == torch.float64:
-        add_float32_screens(layer, kwargs, groups, layout)
+        add_float32_screens(layer, kwargs, groups)
     scales = {key: search_scales(g, opts.group_size, opts.n_grid, opts.duo_scaling) for key, g in groups.items()}
     for key, g in groups.items():
         apply_scales(g, scales[key])
@@ -202,17 +202,18 @@ def quantize_awq_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
     return results, layer(hidden, **kwargs)
 
 
-def add_float32_screens(layer: nn.Module, kwargs: dict, groups: dict[str, ScaleGroup], layout: LayerLayout) -> None:
+def add_float32_screens(layer: nn.Module, kwargs: dict, groups: dict[str, ScaleGroup]) -> None:
     """Give each scale group a float32 twin (awq_search.Screen) computed through a float32 copy of the layer,
     so a float64 build scores its grids at float32 speed and only near-ties in float64."""
     twin = copy.deepcopy(layer).float()
     t = dict(twin.named_modules())
+    name_of = {id(module): name for name, module in layer.named_modules()}
     kwargs32 = {key: _to_float32(value) for key, value in kwargs.items()}
     inspects = {"qkv": lambda x: twin.self_attn(hidden_states=x, **kwargs32)[0], "o": t["self_attn.o_proj"],
                 "gate_up": twin.mlp, "down": t["mlp.down_proj"]}
-    names = {"qkv": layout.qkv, "o": O_PROJ, "gate_up": layout.gate_up, "down": DOWN}
     for key, group in groups.items():
-        group.screen = Screen([t[n] for n in names[key]], inspects[key], group.inputs.float())
+        linears = [t[name_of[id(fc)]] for fc in group.linears]  # the twin's copies of the group's linears
+        group.screen = Screen(linears, inspects[key], group.inputs.float())
 
 
 def _to_float32(value):
