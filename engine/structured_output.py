@@ -157,9 +157,11 @@ def _first_line(messages: list[str]) -> str:
 
 class TokenMasks(NamedTuple):
     """One step's bitmasks, a row for every row of the batch (all ones where no grammar applies), so the sampler
-    uploads the array as it is."""
+    uploads the array as it is. ``wait``, when given, queues the device's wait for the bits, which another
+    thread is still writing (engine/stream_gate.py): the sampler calls it before the upload."""
 
     bitmask: np.ndarray  # [num_rows, ceil(vocab / 32)] int32
+    wait: Callable[[], object] | None = None
 
 
 HostArray = Callable[[tuple[int, int]], np.ndarray]  # (rows, words) -> an uninitialised int32 array
@@ -182,6 +184,11 @@ class GrammarStep:
         self._executor, self._consume, self._bitmask = executor, consume, bitmask  # bitmask None: no row masked
         self._masked, self._eos_token_ids = masked, eos_token_ids  # masked: (constraint, row k of bitmask)
         self.completed = completed
+
+    @property
+    def bitmask(self) -> np.ndarray | None:
+        """The array ``run`` fills (None: no row is masked this step)."""
+        return self._bitmask
 
     @property
     def num_rows(self) -> int:
