@@ -61,10 +61,10 @@ def instrument(timers: PhaseTimers) -> None:
 
     for owner, name in [(llm_engine.LLMEngine, "step"), (llm_engine.LLMEngine, "_grammar_step"),
                         (llm_engine.LLMEngine, "_process_text"), (model_runner.ModelRunner, "launch"),
-                        (model_runner.ModelRunner, "_start_on_mask_thread"),
+                        (structured.StructuredOutputManager, "step_job"),
                         (model_runner.PendingStep, "result"), (sampler.Sampler, "sample_async"),
                         (sampler.PendingSample, "result"),
-                        (structured.GrammarStep, "run"), (llm_engine.LLMEngine, "_end_completed_grammars"),
+                        (structured.GrammarStep, "finish"), (llm_engine.LLMEngine, "_end_completed_grammars"),
                         (sampler, "apply_token_masks"), (sampler, "apply_logits_processors"), (sampler, "to_device"),
                         (ops.Backend, "masked_logits")]:
         timers.wrap(owner, name)

@@ -3,21 +3,21 @@
 Public API (vLLM-shaped): ``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``LLMEngine``.
 ``AsyncEngine`` lives in engine/async_engine.py (imported lazily by the server); its loop thread in
 engine/engine_loop.py, request streams in engine/streams.py, errors in engine/errors.py.
+
+The names are imported when first asked for: most of them pull in torch, which a process that needs only a
+light module (the grammar process, engine/grammar_worker.py) should not pay for.
 """
 
-from engine.config import EngineArgs
-from engine.errors import EngineError
-from engine.request import CompletionOutput, RequestOutput, SamplingParams
+import importlib
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "EngineError"]
+_HOMES = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineArgs": "engine.config",
+          "EngineError": "engine.errors", "SamplingParams": "engine.request", "RequestOutput": "engine.request",
+          "CompletionOutput": "engine.request"}
+
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "EngineError", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch, transformers and the model code: import it only when asked for.
-    if name == "LLM":
-        from engine.llm import LLM
-        return LLM
-    if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
-        return LLMEngine
-    raise AttributeError(name)
+    if name not in _HOMES:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(_HOMES[name]), name)

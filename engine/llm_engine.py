@@ -27,7 +27,7 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.structured_output import GrammarStep, HostArray, StructuredOutputManager
+from engine.structured_output import GrammarStep, StructuredOutputManager
 from engine.tokenizer import Tokenizer
 from engine.warmup import run_warmup_requests, settle_garbage_collector, use_triton_cache_under
 
@@ -101,7 +101,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill),
             self.kv_manager)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                                  args.max_num_seqs)
         self.groups: dict[str, RequestGroup] = {}
         self._text_pending: list[tuple[Request, int | None]] = []  # (request, token) whose text is due
         self._grammar_pending: list[Request] = []  # constrained requests whose newest token no grammar has seen
@@ -287,14 +288,14 @@ class LLMEngine:
             req.stop_reason = reason
             self.scheduler.finish_request(req.request_id, status)
 
-    def _grammar_step(self, to_sample: list[Request], host_array: HostArray) -> GrammarStep | None:
+    def _grammar_step(self, to_sample: list[Request]) -> GrammarStep | None:
         """Called by the runner once it knows the step's rows, before it queues the forward: the grammar work
-        of the step (advance the matchers by the previous step's tokens, then this step's masks), which the
-        runner does beside the forward's launch and the previous step's text. Passed to the runner only while
-        some request is constrained."""
+        of the step (advance the matchers by the previous step's tokens, then this step's masks), posted to the
+        grammar process, which does it beside the forward's launch and the previous step's text. Passed to the
+        runner only while some request is constrained."""
         pending, self._grammar_pending = self._grammar_pending, []
         newest = [req for req in pending if not req.is_finished]
-        self._grammar_job = self.structured.step_job(newest, to_sample, host_array)
+        self._grammar_job = self.structured.step_job(newest, to_sample)
         return self._grammar_job
 
     def _end_completed_grammars(self) -> None:
@@ -359,3 +360,4 @@ class LLMEngine:
         for request_id in list(self.groups):
             self.abort_request(request_id)
         self.runner.release()
+        self.structured.close()

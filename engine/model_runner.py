@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +23,10 @@ from engine.model_loader import load_model, read_config_dict
 from engine.parallel import check_divides
 from engine.request import Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
-from engine.stream_gate import StreamGate
-from engine.structured_output import GrammarStep, HostArray, TokenMasks
+from engine.stream_gate import StreamGate, register_host_memory, unregister_host_memory
+from engine.structured_output import GrammarStep, TokenMasks
 from engine.warmup import eager_seq_buckets, eager_step
 from kernels.ops import Backend
-
-MASK_THREAD_MIN_ROWS = 8  # constrained rows from which a step's masks are computed on the mask thread
 
 log = logging.getLogger("pagoda.runner")
 
@@ -59,18 +55,19 @@ class MemoryProfile:
 @dataclass
 class PendingStep:
     """A launched step: ``result()`` waits for the sampled tokens of ``to_sample`` (None: nothing sampled).
-    ``grammar`` is the step's grammar work on the mask thread (its errors are raised here). Without a stream
-    gate, ``launch_sample`` queues the sampling once the masks are ready: it runs at ``result()``, so the masks
-    are computed on another thread while the caller does its text work."""
+    ``grammar`` is the step's grammar work in the grammar process (waited for here: its errors are raised here,
+    and the engine reads which grammars completed). Without a stream gate, ``launch_sample`` queues the
+    sampling once the masks are ready: it runs at ``result()``, so the masks are computed while the caller does
+    its text work."""
 
     to_sample: list[Request]
     sample: PendingSample | None
     launch_sample: Callable[[], PendingSample] | None = None
-    grammar: Future | None = None
+    grammar: GrammarStep | None = None
 
     def result(self) -> tuple[list[Request], SamplerOutput | None]:
         if self.grammar is not None:
-            self.grammar.result()
+            self.grammar.finish()
         if self.launch_sample is not None:
             self.sample, self.launch_sample = self.launch_sample(), None
         return self.to_sample, (self.sample.result() if self.sample is not None else None)
@@ -82,9 +79,9 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: Path, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
         self.args, self.device, self.dtype = args, device, dtype
-        self._mask_worker: ThreadPoolExecutor | None = None  # grammar masks of constrained steps
-        self._mask_host: torch.Tensor | None = None  # grammar bitmasks in host memory (see _host_array)
-        self._mask_gate: StreamGate | None = StreamGate.for_device(device)
+        self._mask_region: tuple[int, int] | None = None  # the grammar process's shared buffer (address, bytes)
+        self._mask_pinned = False  # whether that buffer is registered with the driver
+        self._mask_gate: StreamGate | None = None  # the stream gate on its done word
         self.backend = Backend.for_device(device, force_reference=args.force_reference_kernels)
         self.workers = None  # tensor parallel: ranks 1..N-1 (engine/tp_worker.py); this runner is rank 0
         self._threads_before: int | None = None  # CPU tensor parallel: torch threads to restore at release
@@ -335,25 +332,19 @@ class ModelRunner:
         return inputs, to_sample
 
     def launch(self, scheduled, copy_on_write: list[tuple[int, int]],
-               grammar: Callable[[list[Request], HostArray], GrammarStep | None] | None = None
-               ) -> PendingStep:
+               grammar: Callable[[list[Request]], GrammarStep | None] | None = None) -> PendingStep:
         """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
         sampling of requests whose known tokens are all computed; the device works while the caller goes on.
-        ``grammar`` gives the step's grammar work for the rows to sample (advance the matchers, then compute
-        the bitmasks). From MASK_THREAD_MIN_ROWS rows it runs on the mask thread, started before the forward is
-        queued so its llguidance calls (which release the GIL) run beside the launch, the sampling's launch and
-        the caller's text work; the sampling is queued at once behind a stream gate that the thread opens once
-        the masks are written (engine/stream_gate.py), or, with no gate, at ``result()``. Fewer rows run here
-        once the forward is queued."""
+        ``grammar`` posts the step's grammar work for the rows to sample to the grammar process (advance the
+        matchers, then write the bitmasks), before the forward is queued. On a GPU the sampling is queued at
+        once behind a stream gate the process opens when the masks are written (engine/stream_gate.py);
+        without a gate it is queued at ``result()``, once the masks are there."""
         self.copy_blocks(copy_on_write)
         if not scheduled:
             self._send_step(None, copy_on_write)
             return PendingStep([], None)
         inputs, to_sample = self.step_inputs(scheduled)
-        job = grammar(to_sample, self._host_array) if grammar is not None and to_sample else None
-        threaded = job is not None and job.num_rows >= MASK_THREAD_MIN_ROWS
-        ticket = self._mask_gate.take() if threaded and self._mask_gate and job.bitmask is not None else None
-        running = self._start_on_mask_thread(job, ticket) if threaded else None
+        job = grammar(to_sample) if grammar is not None and to_sample else None
         self._send_step(inputs, copy_on_write)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
@@ -361,59 +352,40 @@ class ModelRunner:
         else:
             logits = self._forward(inputs)  # [num_sampled, vocab] float32
         if not to_sample:
-            return PendingStep([], None, grammar=running)
-        if running is None:
-            masks = job.run() if job is not None else None
-            return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks))
-        if ticket is not None or job.bitmask is None:  # the masks are waited for on the device (or there are none)
-            masks = None if ticket is None else TokenMasks(job.bitmask, functools.partial(self._mask_gate.hold, ticket))
-            return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks), grammar=running)
-        return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, running.result()),
-                           grammar=running)
+            return PendingStep([], None, grammar=job)
+        if job is None or job.bitmask is None:
+            return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample), grammar=job)
+        gate = self._mask_gate_for(job)
+        if gate is not None:
+            masks = TokenMasks(job.bitmask, functools.partial(gate.hold, job.ticket))
+            return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks), grammar=job)
+        return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, job.finish()),
+                           grammar=job)
 
-    def _host_array(self, shape: tuple[int, int]) -> np.ndarray:
-        """An uninitialised int32 host array for a step's grammar bitmask, in pinned memory on a GPU so it goes
-        up without a staging copy. One buffer serves every step (pinning memory costs more than the step's
-        mask work): a step's copy of it has run once that step's tokens were read, which comes before the next
-        step's launch writes it again."""
-        rows, words = shape
-        if self._mask_host is None or self._mask_host.shape[0] < rows or self._mask_host.shape[1] != words:
-            capacity = max(rows, self.args.max_num_seqs)
-            self._mask_host = torch.empty((capacity, words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        return self._mask_host[:rows].numpy()
+    def _mask_gate_for(self, job: GrammarStep) -> StreamGate | None:
+        """The stream gate on the grammar process's done word, its shared buffer pinned for the mask uploads
+        (once per buffer). None on CPU, for a step that posted nothing, or where the driver refuses."""
+        if self.device.type != "cuda" or job.ticket is None:
+            return None
+        region = job.shared_region
+        if region != self._mask_region:
+            self._release_mask_region()
+            self._mask_region, self._mask_pinned = region, register_host_memory(*region)
+            self._mask_gate = StreamGate.for_device(self.device, job.done_word) if self._mask_pinned else None
+            if self._mask_gate is None:
+                log.info("no stream gate for the grammar masks: constrained steps sample once their masks are in")
+        return self._mask_gate
 
-    def _start_on_mask_thread(self, job: GrammarStep, ticket: int | None) -> Future:
-        """Submit ``job`` and return once the thread runs it; the thread opens the gate ``ticket`` (if any) when
-        the job ends, whatever happens. The thread needs the GIL to start, and the caller next runs Python (the
-        forward's launch, the text work) that keeps it: without the wait the job started only when the caller
-        blocked on it, after all that work, not beside it (a microbench on the H200 host: mask || 200 us of
-        Python took 495 us without the wait, 336 us with it)."""
-        running = threading.Event()
-
-        def run() -> TokenMasks | None:
-            running.set()
-            try:
-                return job.run()
-            finally:
-                if ticket is not None:
-                    self._mask_gate.open(ticket)
-
-        future = self._mask_thread().submit(run)
-        running.wait()
-        return future
-
-    def _mask_thread(self) -> ThreadPoolExecutor:
-        if self._mask_worker is None:
-            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-masks")
-        return self._mask_worker
+    def _release_mask_region(self) -> None:
+        if self._mask_pinned:
+            unregister_host_memory(self._mask_region[0])
+        self._mask_region, self._mask_pinned, self._mask_gate = None, False, None
 
     def release(self) -> None:
         """Drop every device tensor this runner holds so the memory can go back to the device, and stop the
         tensor-parallel workers."""
         self._stop_workers()
-        if self._mask_worker is not None:
-            self._mask_worker.shutdown(wait=False)
-            self._mask_worker = None
+        self._release_mask_region()
         self.graphs = None
         self.model.kv_caches = []
         self.kv_caches = []

@@ -162,14 +162,18 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, backend: Backend 
     travels to the device as is (32x smaller than a bool mask), from pinned memory so the host does not wait
     for the forward, and is applied there in one pass (``Backend.masked_logits``: one Triton launch on a GPU).
     The engine's grammar step writes every row's words into pinned memory already, so nothing is copied on
-    the host here; with ``masks.wait`` it is still writing them, and the upload waits on the device for them.
+    the host here; with ``masks.wait`` the grammar process is still writing them into memory the device maps,
+    and the upload waits on the device for them (so it must not be staged through a pinned copy now).
     """
     if masks.bitmask.shape[0] != logits.shape[0]:
         raise ValueError(f"token masks for {masks.bitmask.shape[0]} rows, logits for {logits.shape[0]}")
     backend = backend or Backend(use_triton=False)
-    if masks.wait is not None:
+    if masks.wait is None:
+        bits = to_device(masks.bitmask, logits.device)  # [rows, words] int32
+    else:  # the bits are still being written: the copy must read them when the stream reaches it, not now
         masks.wait()
-    return backend.masked_logits(logits, to_device(masks.bitmask, logits.device))
+        bits = torch.from_numpy(masks.bitmask).to(logits.device, non_blocking=True)  # registered memory: DMA'd
+    return backend.masked_logits(logits, bits)
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request],

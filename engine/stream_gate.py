@@ -1,15 +1,16 @@
 """Hold a CUDA stream until the host opens a gate, so work that reads host data can be queued before the data exists.
 
-A constrained step samples through its grammar masks, which the mask thread computes while the engine's thread
-queues the forward and does the previous step's text (engine/model_runner.py). Queuing the sampling only once the
-masks were ready put the sampler's host work and its device time after the grammar work, on the step's critical
-path. With a gate the sampling is queued with the forward: the stream waits on a pinned host word
-(``cuStreamWaitValue32``, a stream memory operation of the driver: the device waits without a spinning kernel)
-until it holds the step's ticket, which the mask thread writes once the masks are written; the copies and kernels
-queued behind the wait then read the finished masks.
+A constrained step samples through its grammar masks, which the grammar process computes while the engine's
+thread queues the forward and does the previous step's text (engine/grammar_worker.py). Queuing the sampling
+only once the masks were ready would put the sampler's host work and its device time after the grammar work, on
+the step's critical path. With a gate the sampling is queued with the forward: the stream waits on a word of
+device-mapped host memory (``cuStreamWaitValue32``, a stream memory operation of the driver: the device waits
+without a spinning kernel) until it holds the step's ticket, which the grammar process writes once the masks
+are written; the copies and kernels queued behind the wait then read the finished masks.
 
-Tickets count up; the wait is the driver's cyclic ``>=``, so wrap-around is harmless. A ticket taken must be
-opened (``try``/``finally`` on the thread that writes the data): a stream held forever stalls the device.
+Tickets count up; the wait is the driver's cyclic ``>=``, so wrap-around is harmless. A ticket waited for must
+be opened, whatever happens to the writer (the engine opens it itself when the grammar process dies): a stream
+held forever stalls the device.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 log = logging.getLogger("pagoda.stream_gate")
 
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0  # wait until (int32_t)(*addr - value) >= 0
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
 
 
 class _Driver:
@@ -47,40 +49,46 @@ class _Driver:
 
 
 class StreamGate:
-    """One pinned ticket word and the driver call that makes a stream wait for it; see the module docstring."""
+    """A ticket word in device-mapped host memory and the driver call that makes a stream wait for it; see the
+    module docstring. The word is the gate's own pinned one, or one the caller maps (the grammar process's
+    shared done word, written by that process)."""
 
-    def __init__(self, driver: _Driver, device: torch.device):
+    def __init__(self, driver: _Driver, device: torch.device, word: np.ndarray, owner: object = None):
         self._driver, self._device = driver, device
-        self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1], the last ticket opened
-        self._host_word = self._word.numpy()
+        self._word, self._owner = word, owner  # [1] int32; owner: what keeps the word's memory alive
         address = ctypes.c_uint64()
-        status = driver.device_pointer(ctypes.byref(address), ctypes.c_void_p(self._word.data_ptr()), 0)
+        status = driver.device_pointer(ctypes.byref(address), ctypes.c_void_p(word.ctypes.data), 0)
         if status != 0:
             raise RuntimeError(f"cuMemHostGetDevicePointer failed ({status})")
         self._device_address = address.value
-        self._last_ticket = 0
+        self._last_ticket = int(word[0])
 
     @classmethod
-    def for_device(cls, device: torch.device) -> StreamGate | None:
-        """A gate for ``device``'s streams, or None where there is none (not CUDA, no driver entry point, a
-        device without stream memory operations): the caller then waits on the host instead."""
+    def for_device(cls, device: torch.device, word: np.ndarray | None = None) -> StreamGate | None:
+        """A gate for ``device``'s streams over ``word`` (pinned or registered host memory; a new pinned word
+        when None), or None where there is none (not CUDA, no driver entry point, memory the device cannot map,
+        a device without stream memory operations): the caller then waits on the host instead."""
         if device.type != "cuda":
             return None
         driver = _Driver.load()
         if driver is None:
             return None
+        owner = None
+        if word is None:
+            owner = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            word = owner.numpy()
         try:
             with torch.cuda.device(device):
-                gate = cls(driver, device)
-                gate.open(gate.hold(gate.take()))  # one round trip proves the driver accepts the wait
+                gate = cls(driver, device, word, owner)
+                gate.hold(int(word[0]))  # open already: one round trip proves the driver accepts the wait
                 torch.cuda.current_stream(device).synchronize()
         except RuntimeError as exc:
-            log.info("no stream gate on %s (%s): constrained steps sample once their masks are ready", device, exc)
+            log.info("no stream gate on %s (%s): the host waits for the data instead", device, exc)
             return None
         return gate
 
     def take(self) -> int:
-        """A new ticket (not yet waited for, not yet open)."""
+        """A new ticket (not yet waited for, not yet open), for a gate whose word only ``open`` writes."""
         self._last_ticket = (self._last_ticket + 1) % 2**31
         return self._last_ticket
 
@@ -95,4 +103,15 @@ class StreamGate:
 
     def open(self, ticket: int) -> None:
         """Let the work queued behind ``ticket``'s wait run (the host's writes before this are visible to it)."""
-        self._host_word[0] = np.int32(ticket)
+        self._word[0] = np.int32(ticket)
+
+
+def register_host_memory(address: int, size: int) -> bool:
+    """Pin (page-lock and map) host memory the process did not get from CUDA, so copies from it are
+    asynchronous and a gate can watch a word in it; False when the driver refuses."""
+    status = torch.cuda.cudart().cudaHostRegister(address, size, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+    return int(status) == 0
+
+
+def unregister_host_memory(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)

@@ -1,17 +1,19 @@
 """Grammar-constrained decoding: what a request constrains its output to, and the per-request matcher state.
 
 The grammars are llguidance's (a Rust Earley parser over a lexer, built lazily, so a JSON schema "compiles" in
-about a millisecond and the token mask of one step costs tens of microseconds). One ``GrammarCompiler`` per
-engine owns the tokenizer's llguidance view (about a second to build, so it is built on the first constrained
-request) and an LRU of compiled grammars: a grammar seen before is a ``deep_copy`` of its cached matcher, so
-the ``n`` samples of a request and repeated schemas compile once.
+about a millisecond and the token mask of one step costs tens of microseconds). The matchers live in the
+engine's grammar process (engine/grammar_worker.py), which owns the tokenizer's llguidance view (about a second
+to build, so the process starts on the first constrained request) and an LRU of compiled grammars: a grammar
+seen before is a ``deep_copy`` of its cached matcher, so the ``n`` samples of a request and repeated schemas
+compile once.
 
-``StructuredOutputManager`` keeps one matcher per running sample. Each step, a ``GrammarStep`` advances the
-matchers by the previous step's tokens and fills the token bitmask of the constrained rows (all rows at once,
-on the engine's mask thread while the engine's thread queues the forward and does the previous step's text);
-the sampler applies it. A grammar that is complete ends its request (the mask then allows only EOS).
-Preemption recomputes the KV of tokens the matcher already consumed, so the matcher needs no rollback. A grammar may start later than the first output
-token: ``starts_after`` names the text (the end of a reasoning block) after which it applies.
+``StructuredOutputManager`` keeps one matcher slot per constrained sample. Each step a ``GrammarStep`` is posted
+to the process, which advances the matchers by the previous step's tokens and writes the constrained rows' token
+masks into the shared buffer while the engine's thread queues the forward and the sampling and does the previous
+step's text; the sampler applies them. A grammar that is complete ends its request (its mask then allows only
+EOS). Preemption recomputes the KV of tokens the matcher already consumed, so the matcher needs no rollback. A
+grammar may start later than the first output token: ``starts_after`` names the text (the end of a reasoning
+block) after which it applies.
 
 No torch here: bitmasks are numpy int32 arrays of ``ceil(vocab / 32)`` words per row, bit ``i % 32`` of word
 ``i // 32`` set when token ``i`` is allowed (llguidance's layout).
@@ -19,9 +21,9 @@ No torch here: bitmasks are numpy int32 arrays of ``ceil(vocab / 32)`` words per
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,11 +31,11 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.errors import EngineError
+from engine.grammar_worker import STATUS_OK, STATUS_REJECTED, GrammarProcess
 from engine.reasoning import marker_prefix_length
 
 log = logging.getLogger("pagoda.structured_output")
 
-GRAMMAR_CACHE_SIZE = 128
 _TAIL_TOKENS = 8  # output tokens decoded to look for ``starts_after`` (a few tokens longer than any marker)
 # Compact JSON (json.dumps' separators, no free whitespace): a small model at temperature 1 otherwise pads with
 # newlines until max_tokens cuts the object, and the output no longer parses.
@@ -96,65 +98,6 @@ class StructuredOutputsParams:
             raise EngineError(f"{self.param}: the grammar cannot be compiled: {exc}", param=self.param) from None
 
 
-class GrammarCompiler:
-    """Compiles constraints to matchers for one tokenizer and vocabulary; each grammar once (LRU cache)."""
-
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_size: int = GRAMMAR_CACHE_SIZE):
-        self._hf_tokenizer = hf_tokenizer
-        self.vocab_size = max(vocab_size, len(hf_tokenizer))
-        self._eos_token_ids = [int(t) for t in eos_token_ids] or None
-        self._ll_tokenizer = None
-        self._cache: OrderedDict[str, object] = OrderedDict()
-        self._cache_size = cache_size
-
-    @property
-    def ll_tokenizer(self):
-        """llguidance's view of the tokenizer (every token's bytes), built on first use (about a second)."""
-        if self._ll_tokenizer is None:
-            import llguidance.hf
-
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                                  eos_token=self._eos_token_ids)
-            except Exception as exc:  # noqa: BLE001 -- a slow tokenizer or one llguidance cannot read
-                raise EngineError(f"structured outputs are not available for this model's tokenizer: {exc}",
-                                  code="structured_outputs_unsupported") from None
-        return self._ll_tokenizer
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._cache)
-
-    def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher for ``params`` at its start; EngineError naming ``params.param`` when the grammar is
-        invalid (a bad regex, an unsupported schema keyword, a grammar that does not parse)."""
-        import llguidance
-
-        source = params.grammar_source()
-        template = self._cache.get(source)
-        if template is None:
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self.ll_tokenizer)
-            if is_error:
-                raise EngineError(f"{params.param}: the grammar cannot be compiled: {_first_line(messages)}",
-                                  param=params.param)
-            template = llguidance.LLMatcher(self.ll_tokenizer, source, log_level=0)
-            if template.is_error():
-                raise EngineError(f"{params.param}: the grammar cannot be compiled: "
-                                  f"{_first_line([template.get_error()])}", param=params.param)
-            self._cache[source] = template
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(source)
-        return template.deep_copy()
-
-
-def _first_line(messages: list[str]) -> str:
-    text = " ".join(messages).strip()
-    return text.splitlines()[0] if text else "unknown error"
-
-
 class TokenMasks(NamedTuple):
     """One step's bitmasks, a row for every row of the batch (all ones where no grammar applies), so the sampler
     uploads the array as it is. ``wait``, when given, queues the device's wait for the bits, which another
@@ -164,86 +107,44 @@ class TokenMasks(NamedTuple):
     wait: Callable[[], object] | None = None
 
 
-HostArray = Callable[[tuple[int, int]], np.ndarray]  # (rows, words) -> an uninitialised int32 array
-
-
-def _numpy_int32(shape: tuple[int, int]) -> np.ndarray:
-    return np.empty(shape, dtype=np.int32)
-
-
 class GrammarStep:
-    """One step's grammar work: advance the live matchers by the previous step's tokens (one call for the whole
-    batch), then fill the bitmasks of this step's rows (another). Both are llguidance calls that release the
-    GIL, so on the mask thread they run while the engine's thread queues the forward and does the previous
-    step's text. The step holds the matchers it touches (a request freed meanwhile does not matter) and touches
-    nothing else of the manager; ``completed`` (read once ``run`` returned) lists the requests whose grammar the
-    new token completed, for the engine to end."""
+    """One step's grammar work, posted to the grammar process (engine/grammar_worker.py): advance the matchers
+    by the previous step's tokens, then write this step's masks into ``bitmask`` (rows of the shared buffer).
+    ``ticket`` is the step's number in the done word (None: nothing was posted); ``finish`` waits for the
+    process and, once, turns the consume statuses into ``completed`` (the requests whose grammar the new token
+    completed or broke, for the engine to end)."""
 
-    def __init__(self, executor, consume: list[tuple[object, _Constraint, int]], bitmask: np.ndarray | None,
-                 masked: list[tuple[_Constraint, int]], completed: list, eos_token_ids: list[int]):
-        self._executor, self._consume, self._bitmask = executor, consume, bitmask  # bitmask None: no row masked
-        self._masked, self._eos_token_ids = masked, eos_token_ids  # masked: (constraint, row k of bitmask)
-        self.completed = completed
-
-    @property
-    def bitmask(self) -> np.ndarray | None:
-        """The array ``run`` fills (None: no row is masked this step)."""
-        return self._bitmask
+    def __init__(self, process: GrammarProcess, ticket: int | None, bitmask: np.ndarray | None,
+                 consumed: list[tuple[object, _Constraint]], completed: list):
+        self._process, self.ticket, self.bitmask = process, ticket, bitmask  # bitmask None: no row masked
+        self._consumed, self.completed = consumed, completed
+        self._finished = ticket is None
 
     @property
-    def num_rows(self) -> int:
-        """Matchers this step advances or masks (what decides whether the thread hand-off pays)."""
-        return max(len(self._consume), len(self._masked))
+    def done_word(self) -> np.ndarray:
+        """[1] int32 in shared memory: holds ``ticket`` once the masks are written (the stream gate's word)."""
+        return self._process.done_word
 
-    def run(self) -> TokenMasks | None:
-        self._advance()
-        live = []
-        for constraint, k in self._masked:
-            if constraint.done:
-                allow_only(self._bitmask[k], self._eos_token_ids)
-            else:
-                live.append((constraint.matcher, k))
-        if live:
-            rows, words = self._bitmask.shape
-            self._executor.unsafe_compute_mask_ptr(live, self._bitmask.ctypes.data, words * 4, rows)
-        return TokenMasks(self._bitmask) if self._bitmask is not None else None
+    @property
+    def shared_region(self) -> tuple[int, int]:
+        """(address, bytes) of the shared buffer holding ``bitmask`` and the done word."""
+        return self._process.buffer_address_and_size
 
-    def _advance(self) -> None:
-        if len(self._consume) == 1:  # one matcher: the executor's hand-off costs more than the call
-            _, constraint, token = self._consume[0]
-            accepted = [constraint.matcher.consume_token(token)]
-        elif self._consume:
-            accepted = self._executor.consume_token_par([(c.matcher, token) for _, c, token in self._consume])
-        else:
-            return
-        for (request, constraint, token), ok in zip(self._consume, accepted):
-            after_consume(request, constraint, ok, token)
-            if constraint.done:
-                self.completed.append(request)
-
-
-def after_consume(request, constraint: _Constraint, ok: bool, token_id: int) -> None:
-    """Mark a constraint done when its matcher rejected the token (the request ends) or is complete."""
-    if not ok:
-        log.warning("request %s: token %d rejected by its grammar (%s); ending it", request.request_id,
-                    token_id, constraint.matcher.get_error())
-        constraint.done = True
-    elif constraint.matcher.is_stopped():
-        constraint.done = True
-
-
-def allow_only(row: np.ndarray, token_ids: list[int]) -> None:
-    """Set ``row``'s bitmask to allow exactly ``token_ids``."""
-    row[:] = 0
-    for token_id in token_ids:
-        row[token_id // 32] |= np.int32(np.uint32(1 << (token_id % 32)).view(np.int32))
-
-
-@dataclass
-class _Constraint:
-    matcher: object
-    starts_after: str | None  # None once the grammar applies
-    done: bool = False  # complete (or broken): only EOS may follow
+    def finish(self) -> TokenMasks | None:
+        if not self._finished:
+            self._finished = True
+            try:
+                statuses = self._process.wait(self.ticket)
+            except BaseException:
+                self._process.release_stream(self.ticket)  # a device held for these masks must not wait forever
+                raise
+            for (request, constraint), status in zip(self._consumed, statuses):
+                if status == STATUS_REJECTED:
+                    log.warning("request %s: its token was rejected by its grammar; ending it", request.request_id)
+                if status != STATUS_OK:
+                    constraint.done = True
+                    self.completed.append(request)
+        return TokenMasks(self.bitmask) if self.bitmask is not None else None
 
 
 class MarkerGuard:
@@ -294,20 +195,27 @@ def _leaves_text_past(text: str, marker: str) -> bool:
     return at >= 0 and at + len(marker) < len(text)
 
 
-class StructuredOutputManager:
-    """The matchers of an engine's constrained samples. Called from the engine's stepping thread only."""
+@dataclass
+class _Constraint:
+    slot: int  # the matcher's key in the grammar process
+    starts_after: str | None  # None once the grammar applies
+    done: bool = False  # complete (or broken): only EOS may follow
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int | None = None):
+
+class StructuredOutputManager:
+    """The constrained samples of an engine and their matchers in the grammar process (started on the first
+    constrained request). Called from the engine's stepping thread only."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_rows: int):
         self._tokenizer = tokenizer  # engine.tokenizer.Tokenizer: decodes output tails for ``starts_after``
-        self.compiler = GrammarCompiler(tokenizer.hf, vocab_size, eos_token_ids)
-        self._eos_token_ids = [t for t in eos_token_ids if 0 <= t < self.compiler.vocab_size]
-        # One llguidance thread: at 32 rows of a nested JSON schema on a 16-core host, 1 thread masked in 323 us
-        # and consumed in 224 us, 4 threads in 396 / 366 us, 15 in 625 / 596 us (the pool's hand-off costs more
-        # than the rows' work); the step's grammar work runs beside the engine's thread anyway.
-        self._num_threads = num_threads or 1
-        self._executor = None
+        self.vocab_size = max(vocab_size, len(tokenizer.hf))
+        self._eos_token_ids = tuple(int(t) for t in eos_token_ids if 0 <= t < self.vocab_size)
+        self._max_rows = max_rows  # rows of a step (the engine's max_num_seqs)
+        self._process: GrammarProcess | None = None
         self._constraints: dict[str, _Constraint] = {}
-        self._marker_guard = MarkerGuard(tokenizer, self.compiler.vocab_size)
+        self._next_slot = 0
+        self.num_compiled = 0  # grammars compiled (not copied from the process's cache)
+        self._marker_guard = MarkerGuard(tokenizer, self.vocab_size)
 
     @property
     def num_requests(self) -> int:
@@ -315,85 +223,107 @@ class StructuredOutputManager:
 
     def add(self, request_ids: list[str], params: StructuredOutputsParams) -> None:
         """Compile ``params`` once and give each sample its own matcher. Raises EngineError (nothing added)."""
-        matchers = [self.compiler.matcher(params) for _ in request_ids]
-        for request_id, matcher in zip(request_ids, matchers):
-            self._constraints[request_id] = _Constraint(matcher, params.starts_after)
+        source = params.grammar_source()
+        process = self._process_or_start()
+        slots: list[int] = []
+        try:
+            for _ in request_ids:
+                slot, self._next_slot = self._next_slot, self._next_slot + 1
+                self.num_compiled += process.add(slot, source)
+                slots.append(slot)
+        except EngineError as exc:
+            for slot in slots:
+                process.free(slot)
+            if exc.code in ("grammar_process_died", "grammar_process_timeout"):
+                raise
+            raise EngineError(f"{params.param}: {exc.message}", param=params.param, code=exc.code) from None
+        for request_id, slot in zip(request_ids, slots):
+            self._constraints[request_id] = _Constraint(slot, params.starts_after)
 
     def free(self, request_id: str) -> None:
-        self._constraints.pop(request_id, None)
+        constraint = self._constraints.pop(request_id, None)
+        if constraint is not None and self._process is not None:
+            self._process.free(constraint.slot)
+
+    def close(self) -> None:
+        """Stop the grammar process (the engine is released)."""
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        self._constraints.clear()
 
     def token_masks(self, requests: list) -> TokenMasks | None:
         """The bitmasks of the rows whose grammar applies now (None when no row is constrained)."""
         job = self.step_job([], requests)
-        return None if job is None else job.run()
+        return None if job is None else job.finish()
 
-    def step_job(self, newest: list, to_sample: list, host_array: HostArray | None = None) -> GrammarStep | None:
-        """A step's grammar work: ``newest`` are the requests whose newest token no matcher has seen yet,
-        ``to_sample`` the step's rows. Picked here (on the stepping thread): the matchers to advance, the rows
-        to mask and their matchers; a grammar still waiting for ``starts_after`` is advanced here (it decodes
-        text). ``GrammarStep.run`` does the llguidance calls. None when there is nothing to do.
-        ``host_array((rows, words))`` allocates the bitmask (the runner gives pinned memory on a GPU, so the
-        sampler's upload needs no staging copy; numpy memory by default)."""
-        completed, consume = [], []
+    def accept(self, request, token_id: int) -> bool:
+        """Advance the sample's matcher by its newest token (``token_id``); True when its grammar is complete
+        (the request may end). The token that ends ``starts_after`` opens the grammar and is not consumed."""
+        assert request.output_token_ids[-1] == token_id
+        job = self.step_job([request], [])
+        if job is not None:
+            job.finish()
+        return job is not None and request in job.completed
+
+    def step_job(self, newest: list, to_sample: list) -> GrammarStep | None:
+        """A step's grammar work, posted to the grammar process: ``newest`` are the requests whose newest token
+        no matcher has seen yet, ``to_sample`` the step's rows. Here (on the stepping thread) the rows are
+        picked, the unconstrained rows of the bitmask set to all ones and the marker guards written; a grammar
+        still waiting for ``starts_after`` is advanced here (it decodes text). None when there is nothing to do."""
+        completed, consumed, consumes = [], [], []
         for request in newest:
             constraint = self._constraints.get(request.request_id)
             if constraint is None:
                 continue
-            if constraint.starts_after is not None or constraint.done:
-                if self.accept(request, request.output_token_ids[-1]):
-                    completed.append(request)
+            if constraint.starts_after is not None:
+                self._open_after_marker(request, constraint)
+            elif constraint.done:
+                completed.append(request)
             else:
-                consume.append((request, constraint, int(request.output_token_ids[-1])))
-        bitmask, masked = self._rows_to_mask(to_sample, host_array or _numpy_int32)
-        if not (consume or completed) and bitmask is None:
-            return None
-        executor = self._executor_or_new() if consume or masked else None
-        return GrammarStep(executor, consume, bitmask, masked, completed, self._eos_token_ids)
-
-    def _rows_to_mask(self, requests: list, host_array: HostArray
-                      ) -> tuple[np.ndarray | None, list[tuple[_Constraint, int]]]:
-        """When a row of ``requests`` is constrained (its grammar or its marker guard applies): a bitmask of the
-        whole batch ([rows, words] int32: all ones for the unconstrained rows, guard rows filled) and the
-        (constraint, row) pairs still to compute. (None, []) otherwise."""
-        guards, masked = {}, []
-        for i, request in enumerate(requests):
+                consumed.append((request, constraint))
+                consumes.append((constraint.slot, int(request.output_token_ids[-1])))
+        masks, guards = [], {}
+        for i, request in enumerate(to_sample):
             constraint = self._constraints.get(request.request_id)
             if constraint is None:
                 continue
             if constraint.starts_after is None:
-                masked.append((constraint, i))
+                masks.append((i, constraint.slot))
                 continue
             guard = self._marker_guard.row_for(constraint.starts_after, request.output_token_ids)
             if guard is not None:
                 guards[i] = guard
-        if not (masked or guards):
-            return None, []
-        words = (self.compiler.vocab_size + 31) // 32
-        bitmask = host_array((len(requests), words))  # [rows, words] int32
-        bitmask.fill(-1)
-        for i, guard in guards.items():
-            bitmask[i] = guard
-        return bitmask, masked
+        if not (consumes or masks or guards or completed):
+            return None
+        bitmask = None
+        if masks or guards:
+            bitmask = self._process_or_start().shared.bitmask[:len(to_sample)]  # [rows, words] int32
+            bitmask.fill(-1)
+            for i, guard in guards.items():
+                bitmask[i] = guard
+        ticket = self._process.post(consumes, masks) if consumes or masks else None
+        return GrammarStep(self._process, ticket, bitmask, consumed, completed)
 
-    def accept(self, request, token_id: int) -> bool:
-        """Advance the sample's matcher by its new token; True when its grammar is complete (the request may
-        end). The token that ends ``starts_after`` opens the grammar and is not consumed by it."""
-        constraint = self._constraints.get(request.request_id)
-        if constraint is None:
-            return False
-        if constraint.starts_after is not None:
-            tail = self._tokenizer.decode(request.output_token_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
-            if constraint.starts_after in tail:
-                constraint.starts_after = None
-            return False
-        if constraint.done:
-            return True
-        after_consume(request, constraint, constraint.matcher.consume_token(int(token_id)), token_id)
-        return constraint.done
+    def _open_after_marker(self, request, constraint: _Constraint) -> None:
+        tail = self._tokenizer.decode(request.output_token_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
+        if constraint.starts_after in tail:
+            constraint.starts_after = None
 
-    def _executor_or_new(self):
-        if self._executor is None:
-            import llguidance
+    def _process_or_start(self) -> GrammarProcess:
+        if self._process is None:
+            self._process = GrammarProcess(_tokenizer_json(self._tokenizer.hf), self.vocab_size,
+                                           self._eos_token_ids, self._max_rows)
+        return self._process
 
-            self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
-        return self._executor
+
+def _tokenizer_json(hf_tokenizer) -> str:
+    """The Rust tokenizer serialized as llguidance reads it (added tokens included; padding and truncation off)."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise EngineError("structured outputs need a fast (tokenizer.json) tokenizer; this model's is not",
+                          code="structured_outputs_unsupported")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()

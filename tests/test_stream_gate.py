@@ -1,5 +1,6 @@
 """The stream gate (engine/stream_gate.py) on a GPU: work queued behind a ticket waits for the host, and a
-constrained batch sampled behind the gate is the batch sampled after its masks were ready."""
+constrained batch sampled behind the gate on the grammar process's done word is the batch sampled after its
+masks were ready."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.gpu
 SCHEMA = {"type": "object", "properties": {  # bounded, so random weights end most outputs within max_tokens
     "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
-    "required": ["name", "age", "tags"]}
+    "required": ["name", "age", "tags"], "additionalProperties": False}
 CORPUS = ['{"name": "Ada", "age": 36, "tags": ["math", "engines"]}', "the quick brown fox jumps over the lazy dog",
           '{"a": [1, 2, 3], "b": {"c": "d"}, "e": true, "f": null}', "0123456789 ,.:;{}[]\"'"]
 
@@ -63,16 +64,14 @@ def write_bpe_model(folder: Path, vocab_size: int = 1024) -> Path:
 
 def test_constrained_batch_behind_the_gate_equals_sampling_after_the_masks(tmp_path, monkeypatch):
     from engine import LLM, SamplingParams
-    from engine.model_runner import MASK_THREAD_MIN_ROWS
     from engine.structured_output import StructuredOutputsParams
 
     llm = LLM(str(write_bpe_model(tmp_path)), max_model_len=512)
     runner = llm.engine.runner
-    assert runner._mask_gate is not None
     held = []
     hold = StreamGate.hold
     monkeypatch.setattr(StreamGate, "hold", lambda self, ticket: held.append(ticket) or hold(self, ticket))
-    prompts = [{"prompt_token_ids": [5 + i, 40 + i, 7]} for i in range(2 * MASK_THREAD_MIN_ROWS)]
+    prompts = [{"prompt_token_ids": [5 + i, 40 + i, 7]} for i in range(16)]
     params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=128,
                              structured_outputs=StructuredOutputsParams.from_schema(SCHEMA))
               for i in range(len(prompts))]
@@ -81,7 +80,7 @@ def test_constrained_batch_behind_the_gate_equals_sampling_after_the_masks(tmp_p
         return [o.outputs[0] for o in llm.generate(prompts, params)]
 
     gated = run()
-    assert held, "the constrained batch did not go through the gate"
+    assert runner._mask_gate is not None and held, "the constrained batch did not go through the gate"
     runner._mask_gate = None  # the masks are now waited for on the host before the sampling is queued
     held.clear()
     ungated = run()

@@ -205,7 +205,7 @@ def test_grammars_survive_preemption_and_n_samples(default_model_dir):
         for sample in output.outputs:
             assert sample.finish_reason == "stop" and re.fullmatch(pattern, sample.text), sample.text
     assert llm.engine.structured.num_requests == 0  # every matcher freed
-    assert llm.engine.structured.compiler.num_cached == 1  # one compile for six matchers
+    assert llm.engine.structured.num_compiled == 1  # one compile for six matchers
 
 
 def test_a_grammar_opens_at_a_token_boundary_after_its_marker(default_model_dir):
@@ -220,7 +220,7 @@ def test_a_grammar_opens_at_a_token_boundary_after_its_marker(default_model_dir)
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_dir)
-    manager = StructuredOutputManager(tokenizer, len(tokenizer.hf), (2,))
+    manager = StructuredOutputManager(tokenizer, len(tokenizer.hf), (2,), max_rows=4)
     params = StructuredOutputsParams.from_schema({"type": "object"}, starts_after="</think>")
     manager.add(["r"], params)
     ids = tokenizer.hf.encode
