@@ -2,7 +2,7 @@
 
 Issue 14's targets, measured through the server as a user meets it. For each of two starts sharing one new
 ``PAGODA_HOME`` (the first finds Triton's cache under it empty, the second finds it warm), on the 7B-shape
-AWQ model with the engine's default flags except ``--max-num-seqs`` (256 unless given):
+AWQ model with the engine's default flags:
 
 - start-up: ``app.py serve --no-ui`` until ``/health`` answers 200 with the model loaded;
 - time to first token of 10 sequential streaming completions (32-token prompt, 16 tokens out): the first
@@ -93,7 +93,7 @@ def server_workload(run: BenchRun, url: str, label: str, vocab: int) -> None:
 def bench_server(run: BenchRun, home: Path) -> None:
     args = run.args
     model_dir = model_for(args, "llama2-7b", "awq")
-    flags = engine_cli_flags(engine_kwargs(args, max_num_seqs=args.max_num_seqs or 256))
+    flags = engine_cli_flags(engine_kwargs(args))
     for start in ("empty compile cache", "warm compile cache"):
         with running_server(server_command(model_dir, free_port(), flags), args.server_timeout) as (url, ready):
             run.add(info(f"start-up to /health 200, {start}", ready, "s"))
@@ -108,7 +108,7 @@ def bench_diagnose(run: BenchRun) -> None:
 
     args = run.args
     model_dir = model_for(args, "llama2-7b", "awq")
-    llm = LLM(str(model_dir), **engine_kwargs(args, max_num_seqs=args.max_num_seqs or 256))
+    llm = LLM(str(model_dir), **engine_kwargs(args))
     compiled: Counter = Counter()
     phase = ["?"]
 

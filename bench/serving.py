@@ -254,7 +254,7 @@ def main() -> None:
             bench_serving(run, url, "server at --url", args.vocab_size or 32000, args.served_model)
         else:
             model_dir = model_for(args, "llama2-7b", args.quant)
-            flags = engine_cli_flags(engine_kwargs(args, max_num_seqs=args.max_num_seqs or 256))
+            flags = engine_cli_flags(engine_kwargs(args))
             cmd = server_command(model_dir, free_port(), flags)
             with running_server(cmd, args.server_timeout) as (url, ready):
                 run.add(info("server start to /health 200", ready, "s"))

@@ -40,6 +40,7 @@ from bench.common import (
     BenchRun,
     add_common_args,
     at_least,
+    at_most,
     below,
     engine_kwargs,
     info,
@@ -137,7 +138,7 @@ def bench_awq128(run: BenchRun) -> None:
              f" + {args.output_len} output)")
     model_dir = model_for(args, "llama2-7b", "awq")
     rng = random.Random(args.seed)
-    llm = load_llm(args, model_dir, max_num_seqs=args.max_num_seqs or max(args.concurrent, 1))
+    llm = load_llm(args, model_dir)  # the engine's default flags (max_num_seqs 256, as vLLM)
     try:
         vocab = vocab_of(model_dir)
         shape = [(args.input_len, args.output_len)] * args.concurrent
@@ -202,7 +203,7 @@ def bench_mix(run: BenchRun) -> None:
     hf_tokens = sum(r.output_len for r in hf_subset)
     hf_seconds = hf_generate(model_dir, hf_subset, args.hf_batch_size, args.device)  # first: frees all after
     hf_rate = hf_tokens / hf_seconds
-    llm = load_llm(args, model_dir, max_num_seqs=args.max_num_seqs or 256)
+    llm = load_llm(args, model_dir)
     try:
         warm_up(llm, requests, min(len(requests), 256), vocab, rng)
         seconds, generated = timed(pagoda_generate, args.device, llm, requests)
@@ -284,7 +285,7 @@ def bench_memory(run: BenchRun) -> None:
     cuda = torch.device(args.device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(torch.device(args.device))
-    llm = load_llm(args, model_dir, gpu_memory_limit=args.memory_limit, max_num_seqs=args.max_num_seqs or 256)
+    llm = load_llm(args, model_dir, gpu_memory_limit=args.memory_limit)
     label = f"{shape_label(args, 'llama2-7b')} AWQ under --gpu-memory-limit {args.memory_limit}"
     try:
         prof = llm.engine.runner.memory_profile
@@ -311,9 +312,16 @@ def bench_memory(run: BenchRun) -> None:
                 info(f"{label}: preemptions", llm.engine.stats().get("num_preemptions", 0), "requests"),
                 info(f"{label}: generated tokens", generated, "tokens"))
         if cuda:
-            peak = torch.cuda.max_memory_reserved(torch.device(args.device))
+            from engine.memory import device_bytes_outside_torch
+
+            device = torch.device(args.device)
+            peak = torch.cuda.max_memory_reserved(device)
+            outside = device_bytes_outside_torch(device)
             run.add(info(f"{label}: peak memory reserved by torch in this process / budget",
-                         peak / prof.budget, "fraction"))
+                         peak / prof.budget, "fraction"),
+                    info(f"{label}: device memory outside torch's pool (CUDA context, kernels)", outside / gib, "GiB"),
+                    at_most(f"{label}: driver-counted peak (torch's reserved peak + memory outside torch), start-up "
+                            "and load / budget", (peak + outside) / prof.budget, "fraction", 1.0))
     finally:
         release(llm)
 

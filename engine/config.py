@@ -70,7 +70,7 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256  # vLLM's default
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     enable_prefix_caching: bool = True

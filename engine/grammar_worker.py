@@ -44,7 +44,7 @@ _SEQ, _DONE, _NUM_CONSUME, _NUM_MASK, _FAILED = range(5)
 _HEADER_WORDS = 16  # 64 bytes: the counters on their own cache line
 STATUS_OK, STATUS_STOPPED, STATUS_REJECTED = 0, 1, 2  # a consumed token: accepted; accepted and complete; refused
 _SPIN_BEFORE_SLEEP_S = 0.02  # the child polls without sleeping for this long after a step, then naps
-_NAP_S = 0.0005
+_MAX_NAP_S = 0.005
 _SPINS_PER_MESSAGE_POLL = 64  # while polling steps, also look for an add (the engine waits for its answer)
 _START_TIMEOUT_S = 120.0
 _STEP_TIMEOUT_S = 60.0  # a step's work is microseconds; a first grammar compile can take a while
@@ -117,7 +117,7 @@ class GrammarProcess:
             raise
         finally:
             os.unlink(path)  # both processes hold the mapping; the name is not needed any more
-        self._seq = 0
+        self._seq, self._last_post = 0, 0.0
 
     @property
     def buffer_address_and_size(self) -> tuple[int, int]:
@@ -131,7 +131,10 @@ class GrammarProcess:
         return bool(self._expect("added", _STEP_TIMEOUT_S))
 
     def free(self, slot: int) -> None:
-        self._conn.send(("free", slot))
+        try:
+            self._conn.send(("free", slot))
+        except OSError:  # the child is gone, and its matchers with it
+            pass
 
     def post(self, consumes: list[tuple[int, int]], masks: list[tuple[int, int]]) -> int:
         """Start a step: advance ``consumes`` ((slot, token) pairs), then write the masks of ``masks`` ((row,
@@ -148,6 +151,13 @@ class GrammarProcess:
         shared.header[_NUM_CONSUME], shared.header[_NUM_MASK] = len(consumes), len(masks)
         self._seq = (self._seq + 1) % 2**31
         shared.header[_SEQ] = self._seq  # last: the child reads the lists once it sees the new number
+        now = time.monotonic()
+        if now - self._last_post > _SPIN_BEFORE_SLEEP_S / 2:  # the child may be napping: wake it now
+            try:
+                self._conn.send(("wake",))
+            except OSError:  # the child is gone: wait() says so
+                pass
+        self._last_post = now
         return self._seq
 
     @property
@@ -155,7 +165,8 @@ class GrammarProcess:
         """[1] int32: the number of the last step whose masks are written."""
         return self.shared.header[_DONE:_DONE + 1]
 
-    def _alive(self) -> bool:
+    @property
+    def alive(self) -> bool:
         return getattr(self, "_process", None) is not None and self._process.poll() is None
 
     def wait(self, seq: int) -> np.ndarray:
@@ -164,7 +175,7 @@ class GrammarProcess:
         while header[_DONE] != seq:
             spins += 1
             if spins % 256 == 0:
-                if not self._alive():
+                if not self.alive:
                     raise EngineError("the grammar process died (constrained requests cannot continue)",
                                       code="grammar_process_died")
                 if time.monotonic() - started > _STEP_TIMEOUT_S:
@@ -190,7 +201,7 @@ class GrammarProcess:
         return reply[1] if len(reply) > 1 else None
 
     def close(self) -> None:
-        if self._alive():
+        if self.alive:
             try:
                 self._conn.send(("stop",))
                 self._process.wait(timeout=5)
@@ -219,15 +230,16 @@ def worker_main(conn: Connection) -> None:
         return
     matchers = _Matchers(tokenizer, llguidance)
     executor = llguidance.LLExecutor(num_threads=1)
+    last_seq, last_step, spins = int(shared.header[_SEQ]), time.monotonic(), 0  # before "ready": no step yet
     conn.send(("ready",))
-    last_seq, last_step, spins = int(shared.header[_SEQ]), time.monotonic(), 0
     while True:
         seq = int(shared.header[_SEQ])
         if seq == last_seq:  # poll: a step follows the last one within milliseconds while requests run
             spins += 1
-            idle = time.monotonic() - last_step > _SPIN_BEFORE_SLEEP_S
-            if (idle or spins % _SPINS_PER_MESSAGE_POLL == 0) and not _serve_messages(
-                    conn, matchers, timeout=_NAP_S if idle else 0):
+            idle = time.monotonic() - last_step
+            napping = idle > _SPIN_BEFORE_SLEEP_S  # then wake at a tenth of the gap so far (a message wakes at once)
+            if (napping or spins % _SPINS_PER_MESSAGE_POLL == 0) and not _serve_messages(
+                    conn, matchers, timeout=min(idle / 10, _MAX_NAP_S) if napping else 0):
                 return
             continue
         if not _serve_messages(conn, matchers, timeout=0):  # adds and frees sent before this step
@@ -257,6 +269,7 @@ def _serve_messages(conn, matchers: _Matchers, timeout: float) -> bool:
                     conn.send(("error", str(exc), exc.code, "structured_outputs"))
             elif message[0] == "free":
                 matchers.free(message[1])
+            # "wake": nothing to do, it only ended a nap
     except (EOFError, OSError):
         return False
     return True

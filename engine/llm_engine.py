@@ -129,6 +129,7 @@ class LLMEngine:
         started = time.perf_counter()
         steps = run_warmup_requests(self)
         settle_garbage_collector()
+        self.runner.check_budget()
         seconds = time.perf_counter() - started
         log_fn(f"{self.model_name}: warm-up requests took {seconds:.2f} s ({steps} steps)")
         return seconds
@@ -136,11 +137,12 @@ class LLMEngine:
     def _require_fit_before_load(self, config: ModelConfig) -> None:
         """Refuse, before reading any weights, a max_model_len whose one full request cannot fit the budget."""
         from engine.fit import cpu_kv_cache_bytes, cuda_budget_bytes, estimate_weight_bytes, require_fit
+        from engine.memory import device_bytes_outside_torch
 
         args = self.args
         kv_bytes = None
-        if self.device.type == "cuda":
-            budget = cuda_budget_bytes(args, self.device)
+        if self.device.type == "cuda":  # the CUDA context and other device memory come out of the budget
+            budget = cuda_budget_bytes(args, self.device) - device_bytes_outside_torch(self.device)
         else:
             kv_bytes = cpu_kv_cache_bytes(args)
             budget = estimate_weight_bytes(config, self.dtype) + kv_bytes

@@ -35,6 +35,14 @@ class MemoryReport:
         return data
 
 
+def device_bytes_outside_torch(device: torch.device) -> int:
+    """Device memory in use that torch's caching allocator does not hold: this process's CUDA context, loaded
+    kernels and library handles (and anything other processes hold, which the budget cannot use either). The
+    driver (and nvidia-smi) count the first part against the process, so the KV sizing does too."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(total - free - torch.cuda.memory_reserved(device), 0)
+
+
 def process_rss() -> int:
     import psutil
 

@@ -19,6 +19,7 @@ from engine.errors import EngineError
 from engine.fit import cpu_kv_cache_bytes, cuda_budget_bytes
 from engine.forward_batch import ForwardBatch
 from engine.host_to_device import to_device
+from engine.memory import device_bytes_outside_torch
 from engine.model_loader import load_model, read_config_dict
 from engine.parallel import check_divides
 from engine.request import Request
@@ -47,9 +48,10 @@ class MemoryProfile:
 
     budget: int
     weights: int
-    activation_peak: int  # measured: one forward at the full token budget
+    activation_peak: int  # measured: one forward at the full token budget (what the allocator reserved for it)
     kv_cache: int
     decode_reserve: int = 0  # estimated: decode logits + sampling at max_num_seqs rows, CUDA graph pool
+    outside_torch: int = 0  # measured: device memory not in torch's pool (the CUDA context, kernels, handles)
 
 
 @dataclass
@@ -214,18 +216,39 @@ class ModelRunner:
         if self.device.type == "cuda":
             budget, activation_peak = self._profile_cuda()
             reserve = self._decode_reserve_bytes(activation_peak)
-            kv_budget = budget - self.weight_bytes - activation_peak - reserve
+            outside = device_bytes_outside_torch(self.device)
+            kv_budget = budget - self.weight_bytes - activation_peak - reserve - outside
         else:
             kv_budget = cpu_kv_cache_bytes(self.args)
-            budget, activation_peak, reserve = self.weight_bytes + kv_budget, 0, 0
+            budget, activation_peak, reserve, outside = self.weight_bytes + kv_budget, 0, 0, 0
         num_blocks = kv_budget // per_block
         if num_blocks < 1:
             raise EngineError(f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, weights "
-                              f"{self.weight_bytes / 2**30:.2f} GiB, activations {activation_peak / 2**30:.2f} GiB",
-                              param="gpu_memory_utilization")
+                              f"{self.weight_bytes / 2**30:.2f} GiB, activations {activation_peak / 2**30:.2f} GiB, "
+                              f"decode reserve {reserve / 2**30:.2f} GiB, CUDA context and other device memory "
+                              f"{outside / 2**30:.2f} GiB", param="gpu_memory_utilization")
         layout = KVCacheLayout(int(num_blocks), self.args.block_size, per_block)
         return layout, MemoryProfile(budget, self.weight_bytes, activation_peak, layout.num_blocks * per_block,
-                                     reserve)
+                                     reserve, outside)
+
+    def driver_counted_bytes(self) -> int:
+        """This process's device memory as the driver counts it: torch's reserved pool plus everything outside
+        it (see ``device_bytes_outside_torch``; 0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.memory_reserved(self.device) + device_bytes_outside_torch(self.device)
+
+    def check_budget(self) -> None:
+        """After start-up (KV pool, graphs, warm-up): warn when the driver counts more than the budget, which
+        the sizing is meant to prevent (its estimates of the graph pool and the decode temporaries fell short)."""
+        if self.device.type != "cuda":
+            return
+        used, budget = self.driver_counted_bytes(), self.memory_profile.budget
+        if used > budget:
+            log.warning("after start-up the device holds %.2f GiB for this process (torch %.2f GiB + CUDA context "
+                        "and other %.2f GiB), %.0f MiB over its %.2f GiB budget", used / 2**30,
+                        torch.cuda.memory_reserved(self.device) / 2**30,
+                        device_bytes_outside_torch(self.device) / 2**30, (used - budget) / 2**20, budget / 2**30)
 
     def _decode_reserve_bytes(self, activation_peak: int) -> int:
         """Memory a step needs beyond the profiled forward (which computed one row of logits): logits and
@@ -238,16 +261,19 @@ class ModelRunner:
         return logits + (activation_peak if self.use_cuda_graphs else 0)
 
     def _profile_cuda(self) -> tuple[int, int]:
-        """Budget from --gpu-memory-limit or --gpu-memory-utilization; activation peak of one full-budget forward."""
+        """Budget from --gpu-memory-limit or --gpu-memory-utilization; activation peak of one full-budget forward
+        (the larger of what it allocated and what the allocator reserved for it)."""
         budget = cuda_budget_bytes(self.args, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
+        allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
         scratch_kv_bytes = self._dummy_forward(min(self.args.max_num_batched_tokens, self.max_model_len))
         torch.cuda.synchronize(self.device)
-        # the scratch KV of the dummy forward is not an activation: the real pool replaces it
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before - scratch_kv_bytes
-        return budget, max(activation_peak, 0)
+        # The scratch KV of the dummy forward is not an activation: the real pool replaces it. The driver sees
+        # the segments the allocator reserved for the forward, which exceed what it handed out (rounding, splits).
+        allocated_peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        reserved_peak = torch.cuda.max_memory_reserved(self.device) - reserved
+        return budget, max(allocated_peak - scratch_kv_bytes, reserved_peak - scratch_kv_bytes, 0)
 
     def _dummy_forward(self, num_tokens: int) -> int:
         """One forward over ``num_tokens`` prompt tokens into a scratch KV (every rank: the forward has

@@ -311,6 +311,12 @@ class StructuredOutputManager:
             constraint.starts_after = None
 
     def _process_or_start(self) -> GrammarProcess:
+        """The grammar process, started (again, if it died: the matchers it held are gone, so a step with one
+        of them fails, which ends those requests) when needed."""
+        if self._process is not None and not self._process.alive:
+            log.warning("the grammar process died; starting a new one")
+            self._process.close()
+            self._process = None
         if self._process is None:
             self._process = GrammarProcess(_tokenizer_json(self._tokenizer.hf), self.vocab_size,
                                            self._eos_token_ids, self._max_rows)

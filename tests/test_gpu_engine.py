@@ -153,3 +153,27 @@ def test_decode_speed_report(random_model, mode, capsys):
         rate = batch * 128 / (time.perf_counter() - start)
         with capsys.disabled():
             print(f"\n[decode-rate] {random_model.name} {mode} batch {batch}: {rate:.0f} tok/s")
+
+
+def test_the_process_stays_within_its_memory_budget_as_the_driver_counts_it(random_model):
+    """--gpu-memory-limit is what the device may hold for the process (torch's pool, the CUDA context, kernels):
+    after start-up at the default max_num_seqs and a full batch of 256 decoding requests, the driver's count of
+    the process is at or below it."""
+    import gc
+
+    from engine import LLM
+
+    gc.collect()  # earlier tests' engines: their memory back to the driver, their peaks forgotten
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(str(random_model), dtype="float16", device="cuda", gpu_memory_limit="6GiB")
+    runner = llm.engine.runner
+    budget = runner.memory_profile.budget
+    assert runner.memory_profile.outside_torch > 0  # the CUDA context at least
+    assert runner.driver_counted_bytes() <= budget
+    prompts = [{"prompt_token_ids": p[:64]} for p in random_prompts(random_model)] * 64  # 256 requests
+    llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True))
+    device = runner.device
+    peak = torch.cuda.max_memory_reserved(device) + (runner.driver_counted_bytes() - torch.cuda.memory_reserved(device))
+    assert peak <= budget, (peak / 2**30, budget / 2**30)
+    llm.engine.release()

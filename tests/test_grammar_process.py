@@ -113,3 +113,27 @@ def test_the_engine_ends_constrained_requests_whose_grammar_completes(default_mo
         assert set(json.loads(sample.text)) == {"name", "ok"}
     assert llm.engine.structured.num_requests == 0
     llm.engine.release()
+
+
+def test_the_manager_starts_a_new_grammar_process_after_one_died(tokenizer):
+    from types import SimpleNamespace
+
+    from engine.structured_output import StructuredOutputManager
+
+    manager = StructuredOutputManager(tokenizer, len(tokenizer.hf), (tokenizer.hf.eos_token_id,), max_rows=2)
+    params = StructuredOutputsParams(choice=("yes", "no"))
+    try:
+        manager.add(["a"], params)
+        first = manager._process
+        first._process.kill()
+        first._process.wait()
+        request = SimpleNamespace(request_id="a", output_token_ids=[])
+        with pytest.raises(EngineError):  # the dead process's matcher is gone: its request fails
+            manager.token_masks([request])
+        manager.free("a")  # freeing into a dead process is no error
+        manager.add(["b"], params)  # a new request gets a new process
+        assert manager._process is not first and manager._process.alive
+        masks = manager.token_masks([SimpleNamespace(request_id="b", output_token_ids=[])])
+        assert 0 < len(allowed_ids(masks.bitmask[0])) < 10  # the starts of "yes" and "no"
+    finally:
+        manager.close()
