@@ -178,7 +178,8 @@ class GrammarProcess:
                 if not self.alive:
                     raise EngineError("the grammar process died (constrained requests cannot continue)",
                                       code="grammar_process_died")
-                if time.monotonic() - started > _STEP_TIMEOUT_S:
+                if time.monotonic() - started > _STEP_TIMEOUT_S:  # stuck: it must not write masks late
+                    self._process.kill()
                     raise EngineError("the grammar process did not answer", code="grammar_process_timeout")
                 time.sleep(0)
         if header[_FAILED]:
