@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -109,6 +110,8 @@ class GrammarProcess:
             self._process = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker", str(theirs.fileno())],
                                              pass_fds=[theirs.fileno()], env=env)
             theirs.close()
+            # stopped and reaped when closed, or when this object goes away without a close (no zombie left)
+            self._finalizer = weakref.finalize(self, _stop_child, self._process, self._conn)
             self._conn.send(asdict(WorkerSpec(path, max_rows, words, tokenizer_json, vocab_size, eos_token_ids)))
             self._expect("ready", _START_TIMEOUT_S)
         except BaseException:
@@ -202,14 +205,23 @@ class GrammarProcess:
         return reply[1] if len(reply) > 1 else None
 
     def close(self) -> None:
-        if self.alive:
-            try:
-                self._conn.send(("stop",))
-                self._process.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                self._process.kill()
-                self._process.wait()
-        self._conn.close()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            self._conn.close()
+
+
+def _stop_child(process: subprocess.Popen, conn: Connection) -> None:
+    """Ask the child to stop, wait for it (kill it after 5 s) and reap it."""
+    if process.poll() is None:
+        try:
+            conn.send(("stop",))
+            process.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+    conn.close()
 
 
 # ---- the child ------------------------------------------------------------------------------------------------
