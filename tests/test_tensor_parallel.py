@@ -12,9 +12,10 @@ TP=3.
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 
-import httpx
 import openai
 import psutil
 import pytest
@@ -149,5 +150,13 @@ def test_serve_tp3_matches_offline_and_survives_a_dead_worker(default_model_dir,
                     worker.kill()  # mid-stream: the request in flight must end with an error
         with pytest.raises(openai.InternalServerError, match="tensor-parallel"):
             client.completions.create(model=model, prompt=DEFAULT_PROMPTS[0], max_tokens=6, temperature=0)
-        # the server still answers (a new connection: the server closes one whose request failed in the engine)
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        # a failed request is an OpenAI-shaped 500 on a connection that stays open for the next request
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = json.dumps({"model": model, "prompt": DEFAULT_PROMPTS[0], "max_tokens": 6})
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        failed = connection.getresponse()
+        assert failed.status == 500 and json.loads(failed.read())["error"]["code"] == "engine_error"
+        sock = connection.sock
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200 and connection.sock is sock  # the same connection

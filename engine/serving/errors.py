@@ -127,6 +127,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
         return error_response(to_api_error(exc))
 
+    @app.exception_handler(EngineStepError)
+    async def on_step_error(_: Request, exc: EngineStepError) -> JSONResponse:
+        # its own handler: the catch-all below runs in Starlette's outermost middleware, which re-raises after
+        # answering, and the server then drops the client's keep-alive connection
+        return error_response(to_api_error(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
