@@ -1,15 +1,16 @@
 """The grammar process: llguidance matchers advanced and masked in a process of their own, beside the engine's.
 
-A constrained step needs every constrained row's matcher advanced by its newest token and its token mask, about
-20 us a row. On a thread of the engine's process that work waited for the GIL at every start and every return
-from llguidance, while the engine's thread ran the step's Python (launch, sampling, text); the waits and the
-hand-shakes cost more than the work. A process has no GIL to share: it polls a shared-memory step counter, does
+A constrained step needs every constrained row's matcher advanced by its newest token and its token mask (for 32
+rows in a JSON string about 80 us on the H200 host). On a thread of the engine's process that work needs the
+GIL to start and at every return from llguidance, while the engine's thread runs the step's Python (launch,
+sampling, text), and a batch-32 step stayed 15-21% slower than its plain twin whatever the thread did
+(BENCHMARKS.md, issue 17, session 8). A process has no GIL to share: it polls a shared-memory step counter, does
 the step's work and writes the masks straight into the shared buffer the sampler uploads from, then the "done"
 word, which also gates the device stream (engine/stream_gate.py) on a GPU. The engine's thread only writes the
 step's small arrays and the counter.
 
 One ``GrammarProcess`` per engine, started on the first constrained request. Messages (add a matcher to a slot,
-free a slot, stop) go over a pipe and are applied before the next step; an add waits for the process's answer,
+free a slot, stop, wake) go over a socket pair and are applied before the next step; an add waits for the process's answer,
 so a grammar that does not compile is the request's 400. No torch here, and the child imports only numpy and
 llguidance.
 
@@ -66,7 +67,6 @@ class SharedStep:
         at += 3 * max_rows
         self.mask_rows, self.mask_slots = view(at, max_rows), view(at + max_rows, max_rows)
         at += 2 * max_rows
-        self.bitmask_offset = at * 4  # bytes
         self.bitmask = view(at, max_rows * words).reshape(max_rows, words)  # [max_rows, words] int32
 
     @staticmethod

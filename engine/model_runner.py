@@ -243,12 +243,12 @@ class ModelRunner:
         the sizing is meant to prevent (its estimates of the graph pool and the decode temporaries fell short)."""
         if self.device.type != "cuda":
             return
-        used, budget = self.driver_counted_bytes(), self.memory_profile.budget
+        reserved, outside = torch.cuda.memory_reserved(self.device), device_bytes_outside_torch(self.device)
+        used, budget = reserved + outside, self.memory_profile.budget
         if used > budget:
             log.warning("after start-up the device holds %.2f GiB for this process (torch %.2f GiB + CUDA context "
-                        "and other %.2f GiB), %.0f MiB over its %.2f GiB budget", used / 2**30,
-                        torch.cuda.memory_reserved(self.device) / 2**30,
-                        device_bytes_outside_torch(self.device) / 2**30, (used - budget) / 2**20, budget / 2**30)
+                        "and other %.2f GiB), %.0f MiB over its %.2f GiB budget", used / 2**30, reserved / 2**30,
+                        outside / 2**30, (used - budget) / 2**20, budget / 2**30)
 
     def _decode_reserve_bytes(self, activation_peak: int) -> int:
         """Memory a step needs beyond the profiled forward (which computed one row of logits): logits and

@@ -161,9 +161,9 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, backend: Backend 
     The packed bitmask ([rows, ceil(vocab / 32)] int32, bit ``i % 32`` of word ``i // 32`` for token ``i``)
     travels to the device as is (32x smaller than a bool mask), from pinned memory so the host does not wait
     for the forward, and is applied there in one pass (``Backend.masked_logits``: one Triton launch on a GPU).
-    The engine's grammar step writes every row's words into pinned memory already, so nothing is copied on
-    the host here; with ``masks.wait`` the grammar process is still writing them into memory the device maps,
-    and the upload waits on the device for them (so it must not be staged through a pinned copy now).
+    The grammar process writes every row's words into its shared buffer, which the runner registers with the
+    driver on a GPU; with ``masks.wait`` it is still writing them, and the upload waits on the device for them
+    (so it must not be staged through a pinned copy now).
     """
     if masks.bitmask.shape[0] != logits.shape[0]:
         raise ValueError(f"token masks for {masks.bitmask.shape[0]} rows, logits for {logits.shape[0]}")

@@ -50,36 +50,29 @@ class _Driver:
 
 class StreamGate:
     """A ticket word in device-mapped host memory and the driver call that makes a stream wait for it; see the
-    module docstring. The word is the gate's own pinned one, or one the caller maps (the grammar process's
-    shared done word, written by that process)."""
+    module docstring. Whoever writes the data writes the word (the grammar process its shared done word)."""
 
-    def __init__(self, driver: _Driver, device: torch.device, word: np.ndarray, owner: object = None):
+    def __init__(self, driver: _Driver, device: torch.device, word: np.ndarray):
         self._driver, self._device = driver, device
-        self._word, self._owner = word, owner  # [1] int32; owner: what keeps the word's memory alive
-        address = ctypes.c_uint64()
+        address = ctypes.c_uint64()  # word: [1] int32, pinned or registered (the caller keeps it alive)
         status = driver.device_pointer(ctypes.byref(address), ctypes.c_void_p(word.ctypes.data), 0)
         if status != 0:
             raise RuntimeError(f"cuMemHostGetDevicePointer failed ({status})")
         self._device_address = address.value
-        self._last_ticket = int(word[0])
 
     @classmethod
-    def for_device(cls, device: torch.device, word: np.ndarray | None = None) -> StreamGate | None:
-        """A gate for ``device``'s streams over ``word`` (pinned or registered host memory; a new pinned word
-        when None), or None where there is none (not CUDA, no driver entry point, memory the device cannot map,
-        a device without stream memory operations): the caller then waits on the host instead."""
+    def for_device(cls, device: torch.device, word: np.ndarray) -> StreamGate | None:
+        """A gate for ``device``'s streams over ``word``, or None where there is none (not CUDA, no driver
+        entry point, memory the device cannot map, a device without stream memory operations): the caller then
+        waits on the host instead."""
         if device.type != "cuda":
             return None
         driver = _Driver.load()
         if driver is None:
             return None
-        owner = None
-        if word is None:
-            owner = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            word = owner.numpy()
         try:
             with torch.cuda.device(device):
-                gate = cls(driver, device, word, owner)
+                gate = cls(driver, device, word)
                 gate.hold(int(word[0]))  # open already: one round trip proves the driver accepts the wait
                 torch.cuda.current_stream(device).synchronize()
         except RuntimeError as exc:
@@ -87,23 +80,15 @@ class StreamGate:
             return None
         return gate
 
-    def take(self) -> int:
-        """A new ticket (not yet waited for, not yet open), for a gate whose word only ``open`` writes."""
-        self._last_ticket = (self._last_ticket + 1) % 2**31
-        return self._last_ticket
-
     def hold(self, ticket: int) -> int:
-        """Queue, on the device's current stream, a wait until ``ticket`` is open; returns the ticket."""
+        """Queue, on the device's current stream, a wait until the word holds ``ticket`` (or a later one);
+        returns the ticket. Writes before the word's are visible to the work queued behind the wait."""
         stream = torch.cuda.current_stream(self._device).cuda_stream
         status = self._driver.wait_value(ctypes.c_void_p(stream), self._device_address, ticket,
                                          _CU_STREAM_WAIT_VALUE_GEQ)
         if status != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed ({status})")
         return ticket
-
-    def open(self, ticket: int) -> None:
-        """Let the work queued behind ``ticket``'s wait run (the host's writes before this are visible to it)."""
-        self._word[0] = np.int32(ticket)
 
 
 def register_host_memory(address: int, size: int) -> bool:

@@ -100,8 +100,8 @@ class StructuredOutputsParams:
 
 class TokenMasks(NamedTuple):
     """One step's bitmasks, a row for every row of the batch (all ones where no grammar applies), so the sampler
-    uploads the array as it is. ``wait``, when given, queues the device's wait for the bits, which another
-    thread is still writing (engine/stream_gate.py): the sampler calls it before the upload."""
+    uploads the array as it is. ``wait``, when given, queues the device's wait for the bits, which the grammar
+    process is still writing (engine/stream_gate.py): the sampler calls it before the upload."""
 
     bitmask: np.ndarray  # [num_rows, ceil(vocab / 32)] int32
     wait: Callable[[], object] | None = None

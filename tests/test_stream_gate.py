@@ -25,17 +25,18 @@ CORPUS = ['{"name": "Ada", "age": 36, "tags": ["math", "engines"]}', "the quick 
 
 def test_work_behind_a_ticket_waits_until_the_host_opens_it():
     device = torch.device("cuda")
-    gate = StreamGate.for_device(device)
+    word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1], the ticket word
+    gate = StreamGate.for_device(device, word.numpy())
     assert gate is not None, "this GPU and driver should support stream memory operations"
     host = torch.zeros(1 << 16, dtype=torch.int32, pin_memory=True)  # [65536]
-    ticket = gate.hold(gate.take())
+    gate.hold(1)
     on_device = host.to(device, non_blocking=True)  # queued behind the wait: reads the host buffer when it runs
     done = torch.cuda.Event()
     done.record()
     time.sleep(0.05)
     assert not done.query(), "the copy ran before the gate opened"
     host.fill_(7)  # written after the copy was queued
-    gate.open(ticket)
+    word[0] = 1  # open ticket 1
     done.synchronize()
     assert bool((on_device == 7).all())
 
