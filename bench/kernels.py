@@ -154,6 +154,34 @@ def bench_w4a16(copy_bw: float, out: list, extra: list) -> None:
             extra.append(info(f"fp16 matmul M={m} {label}: time", t_h * 1e3, "us"))
 
 
+BATCHED_SHAPES = {  # issue 16: the 7B and 8B shapes a batched decode step multiplies
+    "8B qkv 4096x6144": (4096, 6144),
+    "8B o 4096x4096": (4096, 4096),
+    "8B gate/up 4096x28672": (4096, 28672),
+    "8B down 14336x4096": (14336, 4096),
+    "7B qkv 4096x12288": (4096, 12288),
+    "7B gate/up 4096x22016": (4096, 22016),
+    "7B down 11008x4096": (11008, 4096),
+}
+
+
+def bench_w4a16_batched(out: list, extra: list) -> None:
+    """Issue 16: the shipped W4A16 path at 16-256 rows against fp16 cuBLAS on the same shape, as speed ratios
+    (fp16 time / W4A16 time): >= 2 at 16 and 32 rows, >= 0.9 at 64, 128 and 256."""
+    for label, (k, n) in BATCHED_SHAPES.items():
+        packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
+        dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
+        for m in (16, 32, 64, 128, 256):
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            t_q = bench_graph([partial(triton_ops.w4a16_matmul, x, *p, GROUP) for p in packed])
+            t_h = bench_graph([partial(torch.matmul, x, w) for w in dense])
+            out.append(at_least(f"w4a16 M={m} {label}: speed vs fp16 cuBLAS", t_h / t_q, "x", 2.0 if m <= 32 else 0.9))
+            extra.append(info(f"w4a16 M={m} {label}: time", t_q * 1e3, "us"))
+            extra.append(info(f"fp16 matmul M={m} {label}: time", t_h * 1e3, "us"))
+        del packed, dense
+        torch.cuda.empty_cache()
+
+
 def paged_kv(batch: int, ctx: int, kv_heads: int, head_dim: int = 128, block_size: int = 16):
     blocks = batch * ctx // block_size
     k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=DTYPE, device=DEV)
@@ -353,7 +381,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/kernels.json")
     parser.add_argument("--sweep", default=None, help="also time config variants and write them here")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
-    parser.add_argument("--only", default="small,decode,prefill,w4a16", help="comma-separated sections")
+    parser.add_argument("--only", default="small,decode,prefill,w4a16,batched", help="comma-separated sections")
     parser.add_argument("--ncu", default=None, help="K,N,M: only launch the default W4A16 path 30 times (for ncu)")
     args = parser.parse_args()
     if args.ncu:
@@ -374,6 +402,7 @@ def main() -> None:
         "decode": lambda: bench_decode(copy_bw, results, extra),
         "prefill": lambda: bench_prefill(results, extra),
         "w4a16": lambda: bench_w4a16(copy_bw, results, extra),
+        "batched": lambda: bench_w4a16_batched(results, extra),
     }
     for name in filter(None, args.only.split(",")):
         try:

@@ -37,6 +37,7 @@ class HopperKernel:
     registers: int  # per thread
     spilled_bytes: int  # local memory per thread (spills)
     shared_bytes: int  # what the launch asks for (the pipeline's buffers and layout conversions)
+    register_operand_mmas: int = 0  # wgmma instructions whose A operand is in registers (not in shared memory)
 
 
 def _arg_type(value) -> str:
@@ -70,7 +71,10 @@ def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int =
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
     usage = _resource_usage(compiled.asm["cubin"])
-    return HopperKernel(usage.registers, usage.spilled_bytes, max(usage.shared_bytes, compiled.metadata.shared))
+    # wgmma ... {d regs}, {a regs}, b-descriptor: a brace-enclosed A operand is in registers (a descriptor is not)
+    register_a = len(re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", compiled.asm["ptx"]))
+    return HopperKernel(usage.registers, usage.spilled_bytes, max(usage.shared_bytes, compiled.metadata.shared),
+                        register_a)
 
 
 def _resource_usage(cubin: bytes) -> HopperKernel:

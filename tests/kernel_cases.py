@@ -266,6 +266,36 @@ def check_w4a16_planes(device: str, dtype: torch.dtype, m: int, k: int, n: int, 
     assert_rel(out, exp, TOL[dtype]["matmul"], f"w4a16 planes {variant} M={m} K={k} N={n} G={group_size}")
 
 
+MMA_VARIANTS = {
+    # split-K partials summed by the last program, or no split; a tile wider than the rows
+    "split": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "split": 3},
+    "no-split": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "split": 1},
+    "wide": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "split": 2},
+}
+
+
+def check_w4a16_mma(device: str, dtype: torch.dtype, m: int, k: int, n: int, group_size: int, act_order: bool,
+                    variant: str) -> None:
+    """The transposed tensor-core kernel (kernels/triton/w4a16_mma.py) with a forced tile and split, called
+    twice per weight (the split-K counters it leaves must serve the next call)."""
+    from kernels.triton.w4a16 import w4a16_matmul
+
+    cfg = dict(MMA_VARIANTS[variant])
+    if INTERPRET:
+        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 32), BLOCK_N=32, num_stages=1)
+    qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
+    perm = torch.randperm(k, device=device) if act_order else None
+    for call in range(2):
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        poison(device, m * n * x.element_size())
+        out = w4a16_matmul(x, qweight, scales, zeros, group_size, perm, path="mma", config=cfg)
+        exp = ref.w4a16_matmul(
+            x.double() if device == "cpu" else x.float(), qweight, scales, zeros, group_size, perm
+        ).to(dtype)
+        assert_rel(out, exp, TOL[dtype]["matmul"],
+                   f"w4a16 mma {variant} M={m} K={k} N={n} G={group_size} act_order={act_order} call {call + 1}")
+
+
 GEMV_FUSIONS = ["plain", "norm", "residual", "silu", "rope", "rope+qk-norm", "norm+silu"]
 
 
@@ -452,6 +482,14 @@ def test_w4a16_planes_split_counters_survive_repeated_calls():
         exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 128).to(torch.float16)
         assert_rel(out, exp, TOL[torch.float16]["matmul"], f"planes serial split {split}, reused counters")
     assert int(getattr(qweight, LOCK_ATTR).remainder(1024).abs().sum()) == 0  # left at multiples of the period
+
+
+@pytest.mark.parametrize(
+    "m,group_size,act_order,variant",
+    [(17, 128, False, "split"), (40, 256, True, "no-split"), (33, 128, False, "wide")],
+)
+def test_w4a16_mma(m, group_size, act_order, variant):
+    check_w4a16_mma("cpu", torch.float16, m, 768, 48, group_size, act_order, variant)
 
 
 @pytest.mark.parametrize("group_size", [32, 128])

@@ -15,6 +15,7 @@ from hopper_compile import HOPPER_SHARED_BYTES, Constexpr, compile_for_hopper
 
 from kernels.triton import decode_attention, prefill_attention, token_mask
 from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel
+from kernels.triton.w4a16_mma import _mma_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
 
 F16, F32, I32 = torch.float16, torch.float32, torch.int32
@@ -72,6 +73,29 @@ def test_planes_variant_compiles_for_hopper(dtype, block_n, serial, perm):
                 "BLOCK_N": block_n, "BLOCK_K": 128, "SPLITS": 8}.items()}}
     kernel = compile_for_hopper(_planes_kernel, args, num_warps=4, num_stages=3)
     assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"
+
+
+MMA_VARIANTS = [  # dtype, BLOCK_M, BLOCK_N, warps, stages, splits: the tiles mma_config picks
+    (torch.float16, 32, 64, 4, 4, 4),
+    (torch.bfloat16, 64, 64, 4, 4, 2),
+    (torch.float16, 128, 128, 8, 3, 1),
+]
+
+
+@pytest.mark.parametrize(("dtype", "block_m", "block_n", "warps", "stages", "splits"), MMA_VARIANTS,
+                         ids=[f"{str(v[0])[6:]}-m{v[1]}-n{v[2]}-split{v[5]}" for v in MMA_VARIANTS])
+def test_mma_variant_compiles_for_hopper(dtype, block_m, block_n, warps, stages, splits):
+    """The transposed W4A16 kernel: compiles for sm_90 without spills, and the dequantized weight reaches the
+    tensor cores as wgmma's register operand (the point of the kernel)."""
+    args = {"x_ptr": dtype, "qw_ptr": I32, "scales_ptr": dtype, "zeros_ptr": dtype, "out_ptr": dtype,
+            "part_ptr": F32, "lock_ptr": I32, "M": 64, "N": 4096, "K": 4096, "k_per_split": 4096 // splits,
+            "splits": splits, "lock_rest": 1024 - splits, "stride_xm": 4096, "stride_om": 4096,
+            **{key: Constexpr(value) for key, value in {
+                "GROUP_SIZE": 128, "USE_ASM": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                "SPLITS": splits}.items()}}
+    kernel = compile_for_hopper(_mma_kernel, args, num_warps=warps, num_stages=stages)
+    assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"
+    assert kernel.register_operand_mmas > 0, "the weight went through shared memory"
 
 
 ATTENTION_STRIDES = {name: 4096 for name in ("stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",

@@ -12,8 +12,10 @@ Paths, picked by M (rows of x):
   [BLOCK_K // 8, BLOCK_N] stays in registers: nibble j of packed row r meets input row 8r + j (``J_LOOP``).
   M == 1 uses fp32 FMAs (``_gemv_m1_kernel``); 2..16 rows one 16-row ``tl.dot`` per nibble with the scale
   applied once per group after the sum.
-- 16 < M < ``DEQUANT_MIN_M``: tensor-core tiles; each K step unpacks a [BLOCK_K, BLOCK_N] weight tile in
-  registers, dequantizes it and feeds ``tl.dot``. Autotuned over a few configs per (M bucket, N, K).
+- 16 < M <= ``MMA_MAX_M``, fp16/bf16, group size a multiple of 128: ``mma`` (kernels/triton/w4a16_mma.py), the
+  product computed transposed so the dequantized weight is wgmma's register operand.
+- other 16 < M < ``DEQUANT_MIN_M`` cases: tensor-core tiles; each K step unpacks a [BLOCK_K, BLOCK_N] weight
+  tile in registers, dequantizes it and feeds ``tl.dot``. Autotuned over a few configs per (M bucket, N, K).
 - M >= ``DEQUANT_MIN_M``: dequantize once to a dense buffer and use torch.matmul (cuBLAS): measured faster
   than the fused tiles from M = 256 up (BENCHMARKS.md, Kernels).
 Codes become floats without int->float converts (``_codes_to``), and every K step lies inside one
@@ -36,6 +38,7 @@ from kernels.triton.common import (
     num_sms,
 )
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+from kernels.triton.w4a16_mma import mma_config, mma_matmul, mma_supported
 from kernels.triton.w4a16_planes import (
     planes_config,
     planes_matmul,
@@ -44,6 +47,7 @@ from kernels.triton.w4a16_planes import (
 
 DEQUANT_MIN_M = 128
 PLANES_MAX_M = 16
+MMA_MAX_M = 128  # above it dequantize-then-cuBLAS was as fast or faster at 256 rows (BENCHMARKS.md, issue 16)
 
 
 @triton.jit
@@ -387,8 +391,8 @@ def w4a16_matmul(
     config: dict | None = None,
 ) -> torch.Tensor:
     # x: [M, K] fp16/bf16; qweight: [K // 8, N] int32; scales, zeros: [K // G, N]; perm: [K] -> y [M, N]
-    # path: None picks by M; "planes", "gemv", "tc" or "dequant" force one; config: a planes or gemv tile
-    # (both for benchmarks)
+    # path: None picks by M; "planes", "mma", "gemv", "tc" or "dequant" force one; config: a planes, mma or
+    # gemv tile (both for benchmarks)
     m, k = x.shape
     n = qweight.shape[1]
     group_size = k if group_size <= 0 else group_size
@@ -421,6 +425,12 @@ def w4a16_matmul(
             cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_warps=4, num_stages=1)
         planes_matmul(x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
         return out
+    if path == "mma":
+        cfg = dict(config or mma_config(m, n, k, sms))
+        if interpreting():
+            cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_warps=4, num_stages=1)
+        mma_matmul(x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
+        return out
     args = (qweight, scales, zeros, perm if perm is not None else qweight)
     if path == "gemv":
         split = _gemv(
@@ -446,11 +456,14 @@ def w4a16_matmul(
 
 
 def _pick_path(x: torch.Tensor, m: int, k: int, group_size: int) -> str:
-    """planes (tensor-core nibble planes) for M <= PLANES_MAX_M where it applies, else the older paths."""
+    """planes (tensor-core nibble planes) for M <= PLANES_MAX_M and mma up to MMA_MAX_M where they apply, else
+    the older paths."""
     if m <= PLANES_MAX_M and planes_supported(x, group_size, k):
         return "planes"
     if m <= 16:
         return "gemv"
+    if m <= MMA_MAX_M and mma_supported(x, group_size, k):
+        return "mma"
     return "dequant" if m >= DEQUANT_MIN_M and not interpreting() else "tc"
 
 

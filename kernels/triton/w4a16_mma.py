@@ -1,0 +1,184 @@
+"""W4A16 matmul for 17-128 rows on tensor cores, the weight tile as the left operand in registers.
+
+Why (BENCHMARKS.md, issue 16): at 32-128 rows the fused tiles of w4a16.py ran at 0.40-0.75x of fp16 cuBLAS.
+They put the dequantized weight in the right operand, which Hopper's wgmma reads from shared memory, so every
+weight went register -> shared -> tensor core after its unpack. Here the product is computed transposed,
+out^T [N, M] = W^T [N, K] @ x^T [K, M]: the weight is the left operand, which wgmma may take from registers.
+
+- A K step is 128 input rows: the packed tile [BLOCK_N, 16 words] (word r, nibble j is input row 8r + j, the
+  load-time layout of kernels/reference.py). Byte B of two words becomes nibble planes 2B and 2B + 1 as fp16x2 /
+  bf16x2 registers with one PRMT, a shift and two LOP3 (the nibble ORed into the mantissa of 1024, or 128 in
+  bf16); then (v - (1024 + zero)) * scale, exact up to the one rounding of the reference's (code - zero) * scale.
+- The 8 planes are joined back into input-row order ([n, r, j] -> column 8r + j), so x is read as it is, one
+  [128, BLOCK_M] tile a step that Triton stages through shared memory, and the step is ONE ``tl.dot``: Triton
+  keeps its 8 wgmmas in flight into the next step. One dot per plane measured 1.1-1.7x slower at 32-128 rows
+  (each dot waited for the previous one), even with x pre-permuted into plane order (which cost 3-9 us a call).
+- Split-K only while the M x N tiles leave SMs idle; the partials are summed by the last program to arrive
+  (kernels/triton/split_k.py).
+
+Every K step lies in one quantization group (group sizes are multiples of 128).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+
+K_STEP = 128  # input rows per K step: 16 packed words of 8 nibble planes
+
+
+@triton.jit
+def _planes_of_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """Byte B of every packed word -> (planes 2B, 2B + 1) as MAGIC + code in DTYPE (MAGIC 1024 in fp16, 128 in
+    bf16). Elementwise; the asm takes two words per PRMT and leaves each pair in one 32-bit register, the
+    layout of a tensor-core operand whose K pairs are consecutive words."""
+    if USE_ASM:
+        # prmt: byte B of the first word -> byte 0, of the second -> byte 2 (selector 0x4400 + B * 0x1111)
+        if DTYPE == tl.float16:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="{ .reg .b32 t, u; prmt.b32 t, $2, $3, %d; shr.b32 u, t, 4; "  # noqa: UP031 (constexpr)
+                "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, u, 0x000F000F, 0x64006400, 0xEA; }"
+                % (0x4400 + B * 0x1111),
+                constraints="=r,=r,r,r", args=[qw], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+            )
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="{ .reg .b32 t, u; prmt.b32 t, $2, $3, %d; shr.b32 u, t, 4; "  # noqa: UP031 (constexpr)
+                "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, u, 0x000F000F, 0x43004300, 0xEA; }"
+                % (0x4400 + B * 0x1111),
+                constraints="=r,=r,r,r", args=[qw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+            )
+    else:  # the interpreter has no inline asm (nor a bf16 bitcast): the same values by conversion
+        t = qw >> (8 * B)
+        magic: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
+        lo = (t & 0xF).to(DTYPE) + magic
+        hi = ((t >> 4) & 0xF).to(DTYPE) + magic
+    return lo, hi
+
+
+@triton.jit
+def _dequant_step(qw, s, zm, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed tile qw [BLOCK_N, 16] int32 -> W^T [BLOCK_N, 128] in DTYPE, column 8r + j from nibble j of word r;
+    ``s`` the scales, ``zm`` MAGIC + zero [BLOCK_N]."""
+    p0, p1 = _planes_of_byte(qw, 0, DTYPE, USE_ASM)
+    p2, p3 = _planes_of_byte(qw, 1, DTYPE, USE_ASM)
+    p4, p5 = _planes_of_byte(qw, 2, DTYPE, USE_ASM)
+    p6, p7 = _planes_of_byte(qw, 3, DTYPE, USE_ASM)
+    # joined innermost-last: [n, r, j2, j1, j0] = plane 4 j2 + 2 j1 + j0, so the reshape gives column 8r + j
+    planes = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    w = tl.reshape(planes, [BLOCK_N, 128])
+    return (w - zm[:, None]) * s[:, None]
+
+
+@triton.jit
+def _mma_kernel(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    part_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    splits,
+    lock_rest,
+    stride_xm,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    # x [M, K] @ W [K, N] -> out [M, N]; grid = (m tiles * n tiles, splits). The accumulator is out^T
+    # [BLOCK_N, BLOCK_M]. splits > 1: fp32 partials [splits, M, N], summed by the tile's last program.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m  # m fastest: the programs reading one weight tile run together (L2 reuse)
+    pid_n = pid // num_pid_m
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    if dtype == tl.float16:
+        MAGIC: tl.constexpr = 1024.0
+    else:
+        MAGIC: tl.constexpr = 128.0
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    qw_ptrs = qw_ptr + (k_start // 8 + tl.arange(0, 16)).to(tl.int64)[None, :] * N + rn[:, None]  # [BLOCK_N, 16]
+    x_ptrs = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + (k_start + tl.arange(0, 128))[:, None]  # [128, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_start, k_end, 128):
+        qw = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
+        g = k0 // GROUP_SIZE
+        s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0)
+        zm = tl.load(zeros_ptr + g * N + rn, mask=n_mask, other=0.0) + MAGIC  # exact: small integers
+        x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        acc = tl.dot(_dequant_step(qw, s, zm, dtype, USE_ASM, BLOCK_N), x, acc)
+        qw_ptrs += 16 * N
+        x_ptrs += 128
+    out_tile = rn[:, None] + rm.to(tl.int64)[None, :] * stride_om  # [BLOCK_N, BLOCK_M]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if splits == 1:
+        tl.store(out_ptr + out_tile, acc.to(dtype), mask=mask)
+    else:
+        tile = rn[:, None] + rm.to(tl.int64)[None, :] * N
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
+        if last_to_arrive(lock_ptr, pid, splits):
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for sk in tl.static_range(SPLITS):  # unrolled: the loads are in flight together
+                live = mask & ((tile * 0 + sk) < splits)  # (a tensor mask: the interpreter mistypes scalars)
+                total += tl.load(part_ptr + sk * M * N + tile, mask=live, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + out_tile, total.to(dtype), mask=mask)
+            rearm(lock_ptr, pid, lock_rest)
+
+
+def mma_supported(x: torch.Tensor, group_size: int, k: int) -> bool:
+    """fp16/bf16 activations and K steps of 128 rows inside one group."""
+    return x.dtype in (torch.float16, torch.bfloat16) and group_size % K_STEP == 0 and k % K_STEP == 0
+
+
+def mma_config(m: int, n: int, k: int, sms: int) -> dict:
+    """Tile and split-K, the best of a sweep at 16-256 rows on the H200 (BENCHMARKS.md, issue 16): BLOCK_M
+    covers the rows up to 128; wide layers (N >= 16384) take 128 weight columns with 8 warps, the others 64 with
+    4 warps and 4 stages; split-K while the tiles leave SMs idle, each split at least 4 K steps."""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    wide = n >= 16384
+    block_n = 128 if wide else 64
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(sms, tiles), k // (4 * K_STEP), 16))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if wide else 4, "num_stages": 3 if wide else 4,
+            "split": split}
+
+
+def mma_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, perm: torch.Tensor | None, out: torch.Tensor, cfg: dict,
+               interpret: bool = False) -> None:
+    """Launch into ``out`` [M, N]; cfg from ``mma_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages, split).
+    GPTQ's act-order ``perm`` gathers x's columns first (one pass over x)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    cfg = dict(cfg)
+    per, split = split_k(k, K_STEP, cfg.pop("split"))
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        lock = lock_buffer(qweight, tiles, reuse=True)
+    else:
+        part = lock = out  # unused
+    if perm is not None:
+        x = x[:, perm]
+    _mma_kernel[(tiles, split)](
+        x, qweight, scales, zeros, out, part, lock, m, n, k, per, split, LOCK_PERIOD.value - split,
+        x.stride(0), out.stride(0), GROUP_SIZE=group_size, USE_ASM=not interpret,
+        SPLITS=triton.next_power_of_2(split), **cfg,
+    )
