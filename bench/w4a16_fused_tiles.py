@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernels import GROUP, W4A16_SHAPES, bench_graph, random_int4, sets_for  # noqa: E402
-from kernels.triton import w4a16 as w4a16_mod  # noqa: E402
-from kernels.triton.w4a16 import _codes_to, dequantize  # noqa: E402
+from bench.kernels import GROUP, W4A16_SHAPES, bench_graph, random_int4, sets_for
+from kernels.triton import w4a16 as w4a16_mod
+from kernels.triton.w4a16 import _codes_to, dequantize
 
 
 @triton.jit

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -73,7 +73,7 @@ class Catalog:
             raise EngineError("models.yaml has duplicate ids")
 
     @staticmethod
-    def load(path: Path = CATALOG_PATH) -> "Catalog":
+    def load(path: Path = CATALOG_PATH) -> Catalog:
         try:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:

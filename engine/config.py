@@ -30,7 +30,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: str | int | float | None) -> int | None:
+def parse_bytes(value: str | float | None) -> int | None:
     """'512MiB' / '20GiB' / '1.5GB' / 123 -> bytes."""
     if value is None or isinstance(value, (int, float)):
         return None if value is None else int(value)
@@ -83,7 +83,7 @@ class EngineArgs:
     fused_decode: bool = True  # one-sequence decode steps through the fused layer where the model allows it
     tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py); 1: this process alone
 
-    def with_overrides(self, **kwargs) -> "EngineArgs":
+    def with_overrides(self, **kwargs) -> EngineArgs:
         unknown = set(kwargs) - set(self.__dataclass_fields__)
         if unknown:
             raise EngineError(f"unknown engine argument(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
@@ -159,7 +159,7 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @staticmethod
-    def from_dict(cfg: dict) -> "ModelConfig":
+    def from_dict(cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -209,7 +209,7 @@ class ModelConfig:
             raise EngineError(f"config.json is missing the field {exc.args[0]!r}") from exc
 
     @staticmethod
-    def from_path(model_dir: str | Path) -> "ModelConfig":
+    def from_path(model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise EngineError(f"no config.json in {model_dir}: not a model folder")
