@@ -137,7 +137,7 @@ class ModelRunner:
         self._release_cached_blocks()  # loading's temporaries (checkpoint tensors before the repack)
         self.config: ModelConfig = self.model.config
         self.max_model_len = max_model_len
-        self.sampler = Sampler(seed=args.seed, backend=self.backend)
+        self.sampler = Sampler(seed=args.seed, backend=self.backend, max_rows=args.max_num_seqs)
         self.weight_bytes = self.model.weight_bytes()
         self.use_cuda_graphs = (device.type == "cuda" and self.backend.use_triton and not args.enforce_eager
                                 and self.workers is None)  # graphs do not capture the all-reduce yet

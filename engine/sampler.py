@@ -63,9 +63,10 @@ class PendingSample:
 class Sampler:
     """Owns the random state of sampling: one generator per device for unseeded rows, one per seeded request."""
 
-    def __init__(self, seed: int = 0, backend: Backend | None = None):
+    def __init__(self, seed: int = 0, backend: Backend | None = None, max_rows: int = 0):
         self.seed = seed
         self.backend = backend or Backend(use_triton=False)  # applies grammar masks (a Triton pass on a GPU)
+        self.max_rows = max_rows  # rows of a step at most (max_num_seqs): the size of every scratch tensor
         self._device_generators: dict[str, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
         self._history = TokenHistory()
@@ -101,8 +102,8 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
             rows = to_device(random_rows, logits.device)
-            chosen = self._sample_rows(processed[rows], [requests[i] for i in random_rows])
-            token_ids[rows] = chosen
+            picked = torch.index_select(processed, 0, rows, out=self._scratch(len(random_rows), processed))
+            token_ids[rows] = self._sample_rows(picked, [requests[i] for i in random_rows])
         return PendingSample(logits, token_ids, requests)
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -118,13 +119,26 @@ class Sampler:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         if any(p.min_p > 0.0 for p in params):
             logits = apply_min_p(logits, to_device([p.min_p for p in params], device))
-        probs = logits.softmax(dim=-1)  # [n, vocab]
-        noise = self._exponential_noise(requests, probs.shape, device)  # [n, vocab]
+        probs = torch.softmax(logits, dim=-1, out=self._scratch(logits.shape[0], logits))  # [n, vocab]
+        noise = self._exponential_noise(requests, probs)  # [n, vocab]
         return probs.div_(noise).argmax(dim=-1)
 
-    def _exponential_noise(self, requests: list[Request], shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """Exponential(1) noise; a seeded row is filled from its own generator, the rest from the sampler's."""
-        noise = torch.empty(shape, device=device)  # [n, vocab]
+    def _scratch(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised [n, vocab] tensor (``like``'s vocab, dtype, device) cut from one of ``max_rows`` rows.
+
+        Why: the caching allocator keeps a freed block for a request of its own size, so temporaries sized by
+        each step's row count left new segments behind: a run of 256 requests on SmolLM2 grew torch's reserved
+        pool by 642 MiB in 17 segments while the allocated peak grew by 192 MiB (H200, BENCHMARKS.md issue 16,
+        session 9). Cut from full-size blocks, every step asks for the same sizes and reuses the same blocks
+        (on CPU the untouched rows are never paged in)."""
+        rows = max(n, self.max_rows)
+        return torch.empty((rows, like.shape[1]), dtype=like.dtype, device=like.device)[:n]
+
+    def _exponential_noise(self, requests: list[Request], like: torch.Tensor) -> torch.Tensor:
+        """Exponential(1) noise shaped like ``like`` [n, vocab]; a seeded row is filled from its own generator,
+        the rest from the sampler's."""
+        shape, device = like.shape, like.device
+        noise = self._scratch(shape[0], like)  # [n, vocab]
         unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
         if len(unseeded) == len(requests):
             noise.exponential_(generator=self._device_generator(device))

@@ -212,6 +212,19 @@ def test_unseeded_rows_follow_the_sampler_seed():
     assert Sampler(seed=6).sample(logits, requests).token_ids != first
 
 
+def test_scratch_cut_from_full_size_blocks_draws_the_same_tokens():
+    """The engine's sampler cuts its per-step temporaries from max_num_seqs-row blocks (so the GPU allocator
+    reuses them): the draws of greedy, unseeded, seeded and truncated rows are those of row-sized temporaries."""
+    logits = torch.randn(6, 300) * 3
+    requests = [make_request("g", temperature=0.0), make_request("u", temperature=0.8),
+                make_request("s", temperature=1.0, seed=11), make_request("k", temperature=1.2, top_k=5),
+                make_request("p", temperature=0.9, top_p=0.7, seed=3), make_request("u2", temperature=1.0)]
+    row_sized = Sampler(seed=4).sample(logits, requests).token_ids
+    assert Sampler(seed=4, max_rows=256).sample(logits, requests).token_ids == row_sized
+    assert Sampler(seed=4, max_rows=256).sample(logits[1:], requests[1:]).token_ids == \
+        Sampler(seed=4).sample(logits[1:], requests[1:]).token_ids
+
+
 def test_free_forgets_the_generator():
     sampler = Sampler()
     logits = torch.zeros(1, 1000)
