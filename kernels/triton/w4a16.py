@@ -419,17 +419,13 @@ def w4a16_matmul(
     if m == 0:
         return out
     sms = num_sms(x.device)
-    if path == "planes":
-        cfg = dict(config or planes_config(m, n, k, sms))
+    tensor_core = {"planes": (planes_config, planes_matmul), "mma": (mma_config, mma_matmul)}
+    if path in tensor_core:
+        plan, run = tensor_core[path]
+        cfg = dict(config or plan(m, n, k, sms))
         if interpreting():
             cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_warps=4, num_stages=1)
-        planes_matmul(x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
-        return out
-    if path == "mma":
-        cfg = dict(config or mma_config(m, n, k, sms))
-        if interpreting():
-            cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_warps=4, num_stages=1)
-        mma_matmul(x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
+        run(x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
         return out
     args = (qweight, scales, zeros, perm if perm is not None else qweight)
     if path == "gemv":

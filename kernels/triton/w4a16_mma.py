@@ -7,8 +7,9 @@ out^T [N, M] = W^T [N, K] @ x^T [K, M]: the weight is the left operand, which wg
 
 - A K step is 128 input rows: the packed tile [BLOCK_N, 16 words] (word r, nibble j is input row 8r + j, the
   load-time layout of kernels/reference.py). Byte B of two words becomes nibble planes 2B and 2B + 1 as fp16x2 /
-  bf16x2 registers with one PRMT, a shift and two LOP3 (the nibble ORed into the mantissa of 1024, or 128 in
-  bf16); then (v - (1024 + zero)) * scale, exact up to the one rounding of the reference's (code - zero) * scale.
+  bf16x2 registers with one PRMT, a shift and two LOP3 (w4a16_planes.py's ``_unpack_byte``: the nibble ORed
+  into the mantissa of 1024, or 128 in bf16); then (v - (1024 + zero)) * scale, exact up to the one rounding of
+  the reference's (code - zero) * scale.
 - The 8 planes are joined back into input-row order ([n, r, j] -> column 8r + j), so x is read as it is, one
   [128, BLOCK_M] tile a step that Triton stages through shared memory, and the step is ONE ``tl.dot``: Triton
   keeps its 8 wgmmas in flight into the next step. One dot per plane measured 1.1-1.7x slower at 32-128 rows
@@ -26,47 +27,19 @@ import triton
 import triton.language as tl
 
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+from kernels.triton.w4a16_planes import _unpack_byte
 
 K_STEP = 128  # input rows per K step: 16 packed words of 8 nibble planes
-
-
-@triton.jit
-def _planes_of_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """Byte B of every packed word -> (planes 2B, 2B + 1) as MAGIC + code in DTYPE (MAGIC 1024 in fp16, 128 in
-    bf16). Elementwise; the asm takes two words per PRMT and leaves each pair in one 32-bit register, the
-    layout of a tensor-core operand whose K pairs are consecutive words."""
-    if USE_ASM:
-        # prmt: byte B of the first word -> byte 0, of the second -> byte 2 (selector 0x4400 + B * 0x1111)
-        if DTYPE == tl.float16:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="{ .reg .b32 t, u; prmt.b32 t, $2, $3, %d; shr.b32 u, t, 4; "  # noqa: UP031 (constexpr)
-                "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, u, 0x000F000F, 0x64006400, 0xEA; }"
-                % (0x4400 + B * 0x1111),
-                constraints="=r,=r,r,r", args=[qw], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
-            )
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="{ .reg .b32 t, u; prmt.b32 t, $2, $3, %d; shr.b32 u, t, 4; "  # noqa: UP031 (constexpr)
-                "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, u, 0x000F000F, 0x43004300, 0xEA; }"
-                % (0x4400 + B * 0x1111),
-                constraints="=r,=r,r,r", args=[qw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
-            )
-    else:  # the interpreter has no inline asm (nor a bf16 bitcast): the same values by conversion
-        t = qw >> (8 * B)
-        magic: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
-        lo = (t & 0xF).to(DTYPE) + magic
-        hi = ((t >> 4) & 0xF).to(DTYPE) + magic
-    return lo, hi
 
 
 @triton.jit
 def _dequant_step(qw, s, zm, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Packed tile qw [BLOCK_N, 16] int32 -> W^T [BLOCK_N, 128] in DTYPE, column 8r + j from nibble j of word r;
     ``s`` the scales, ``zm`` MAGIC + zero [BLOCK_N]."""
-    p0, p1 = _planes_of_byte(qw, 0, DTYPE, USE_ASM)
-    p2, p3 = _planes_of_byte(qw, 1, DTYPE, USE_ASM)
-    p4, p5 = _planes_of_byte(qw, 2, DTYPE, USE_ASM)
-    p6, p7 = _planes_of_byte(qw, 3, DTYPE, USE_ASM)
+    p0, p1 = _unpack_byte(qw, 0, DTYPE, USE_ASM, SHIFT_ODD=True)  # planes 0 and 1 as MAGIC + code
+    p2, p3 = _unpack_byte(qw, 1, DTYPE, USE_ASM, SHIFT_ODD=True)
+    p4, p5 = _unpack_byte(qw, 2, DTYPE, USE_ASM, SHIFT_ODD=True)
+    p6, p7 = _unpack_byte(qw, 3, DTYPE, USE_ASM, SHIFT_ODD=True)
     # joined innermost-last: [n, r, j2, j1, j0] = plane 4 j2 + 2 j1 + j0, so the reshape gives column 8r + j
     planes = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
     w = tl.reshape(planes, [BLOCK_N, 128])

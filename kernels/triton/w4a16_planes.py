@@ -31,17 +31,24 @@ from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rea
 
 
 @triton.jit
-def _unpack_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """Byte B of every packed word -> (lo, hi) in DTYPE: fp16 (1024 + nibble 2B, 1024 + 16 * nibble 2B+1: the
-    odd nibble is masked in place, its x plane is pre-divided by 16), bf16 (128 + nibble 2B, 128 + nibble 2B+1).
-    Elementwise; the asm handles two words per PRMT and leaves each pair in one 32-bit register, as the
-    tensor-core operand wants it."""
+def _unpack_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SHIFT_ODD: tl.constexpr = False):
+    """Byte B of every packed word -> (lo, hi) in DTYPE: fp16 (1024 + nibble 2B, and for nibble 2B+1 either
+    1024 + 16 * nibble, masked in place, its x plane pre-divided by 16, or with ``SHIFT_ODD`` 1024 + nibble, one
+    shift more), bf16 (128 + nibble 2B, 128 + nibble 2B+1). Elementwise; the asm handles two words per PRMT and
+    leaves each pair in one 32-bit register, as the tensor-core operand wants it."""
     if USE_ASM:
         # prmt: byte B of the first word -> byte 0, byte B of the second word -> byte 2 (selector 0x4400 + B * 0x1111)
-        if DTYPE == tl.float16:
+        if DTYPE == tl.float16 and not SHIFT_ODD:
             lo, hi = tl.inline_asm_elementwise(
                 asm="{ .reg .b32 t; prmt.b32 t, $2, $3, %d; "  # noqa: UP031 (constexpr)
                 "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, t, 0x00F000F0, 0x64006400, 0xEA; }"
+                % (0x4400 + B * 0x1111),
+                constraints="=r,=r,r,r", args=[qw], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+            )
+        elif DTYPE == tl.float16:
+            lo, hi = tl.inline_asm_elementwise(
+                asm="{ .reg .b32 t, u; prmt.b32 t, $2, $3, %d; shr.b32 u, t, 4; "  # noqa: UP031 (constexpr)
+                "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, u, 0x000F000F, 0x64006400, 0xEA; }"
                 % (0x4400 + B * 0x1111),
                 constraints="=r,=r,r,r", args=[qw], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
             )
@@ -52,14 +59,14 @@ def _unpack_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr
                 % (0x4400 + B * 0x1111),
                 constraints="=r,=r,r,r", args=[qw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
             )
-    else:  # the interpreter has no inline asm: the same values with plain integer ops
+    else:  # the interpreter has no inline asm (nor a bf16 bitcast): the same values by conversion
         t = qw >> (8 * B)
-        if DTYPE == tl.float16:
-            lo = ((t & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            hi = ((t & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        magic: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
+        lo = (t & 0xF).to(DTYPE) + magic
+        if DTYPE == tl.float16 and not SHIFT_ODD:
+            hi = (t & 0xF0).to(DTYPE) + magic
         else:
-            lo = ((t & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            hi = (((t >> 4) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = ((t >> 4) & 0xF).to(DTYPE) + magic
     return lo, hi
 
 
