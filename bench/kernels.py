@@ -7,7 +7,8 @@ Python launch overhead that would otherwise dominate microsecond kernels (the en
 CUDA graphs too). The baselines (cuBLAS fp16 matmul, SDPA, copy) are timed the same way. Copy bandwidth is
 measured in the same run (a 2 GiB device-to-device copy, bytes read + written).
 Prints a table last and writes {"card", "date", "command", "copy_bandwidth_GBps", "results", "info"}.
-``--sweep`` also times a few tile/split variants per kernel (used to pick the launch heuristics).
+``--sweep`` also times a few tile/split variants per kernel (used to pick the launch heuristics); ``--sweep-mma``
+the transposed W4A16 kernel's tiles at 32-256 rows (``--only batched`` times the shipped path alone).
 """
 
 from __future__ import annotations
@@ -363,6 +364,52 @@ def sweep(copy_bw: float, path: str) -> None:
                   f"vs fp16 ({r['fp16_us']:.1f} us) {r['config']}", flush=True)
 
 
+MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's tiles timed by --sweep-mma
+    (64, 64, 4, 4), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4),
+    (32, 64, 4, 4),
+]
+
+
+def mma_cfg(m: int, n: int, k: int, bm_cap: int, bn: int, warps: int, stages: int, sms: int) -> dict:
+    bm = min(bm_cap, max(16, triton.next_power_of_2(m)))
+    tiles = -(-m // bm) * -(-n // bn)
+    split = max(1, min(-(-sms // tiles), k // 512, 16))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "split": split}
+
+
+def sweep_mma(path: str) -> None:
+    """Times the transposed kernel's tiles (w4a16_mma.py) at 32-256 rows on the issue-16 shapes against cuBLAS
+    and the shipped path; writes {"w4a16_mma": [{shape, m, config, us, vs_fp16, fp16_us, shipped_us}]}."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    found: dict = {"w4a16_mma": []}
+    for label, (k, n) in BATCHED_SHAPES.items():
+        packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
+        dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
+        for m in (32, 64, 128, 256):
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            t_h = bench_graph([partial(torch.matmul, x, w) for w in dense])
+            t_s = bench_graph([partial(triton_ops.w4a16_matmul, x, *p, GROUP) for p in packed])
+            configs = {json.dumps(mma_cfg(m, n, k, *v, sms=sms), sort_keys=True) for v in MMA_SWEEP}
+            rows = []
+            for cfg in map(json.loads, sorted(configs)):
+                try:
+                    ms = bench_graph(
+                        [partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="mma", config=cfg) for p in packed])
+                    rows.append({"shape": label, "m": m, "config": cfg, "us": ms * 1e3, "vs_fp16": t_h / ms,
+                                 "fp16_us": t_h * 1e3, "shipped_us": t_s * 1e3})
+                except Exception as exc:  # noqa: BLE001 (a variant that fails to compile is skipped)
+                    rows.append({"shape": label, "m": m, "config": cfg, "error": repr(exc)[:300]})
+            found["w4a16_mma"] += rows
+            timed = [r for r in rows if "us" in r]
+            if timed:
+                best = min(timed, key=lambda r: r["us"])
+                print(f"sweep-mma {label} M={m}: best {best['us']:.1f} us ({best['vs_fp16']:.2f}x fp16 "
+                      f"{t_h * 1e3:.1f} us; shipped {t_s * 1e3:.1f} us) {best['config']}", flush=True)
+        Path(path).write_text(json.dumps(found, indent=1))
+        del packed, dense
+        torch.cuda.empty_cache()
+
+
 def write_json(path: str, date: str, copy_bw: float, results: list[Result], extra: list[Result]) -> None:
     doc = {
         "card": torch.cuda.get_device_name(),
@@ -380,6 +427,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/kernels.json")
     parser.add_argument("--sweep", default=None, help="also time config variants and write them here")
+    parser.add_argument("--sweep-mma", default=None, help="also time the 17-128-row kernel's tiles, written here")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--only", default="small,decode,prefill,w4a16,batched", help="comma-separated sections")
     parser.add_argument("--ncu", default=None, help="K,N,M: only launch the default W4A16 path 30 times (for ncu)")
@@ -415,6 +463,8 @@ def main() -> None:
         print(f"[{name} done]", flush=True)
     if args.sweep:
         sweep(copy_bw, args.sweep)
+    if args.sweep_mma:
+        sweep_mma(args.sweep_mma)
     for r in extra:
         print(f"  {r.name:<70} {r.value:>10.3f} {r.unit}")
     print(f"\n{'target':<72} {'value':>9} {'unit':<10} {'target':<8} pass")
