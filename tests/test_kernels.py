@@ -155,7 +155,7 @@ W4A16_SHAPES = [(4096, 4096), (4096, 22016), (11008, 4096), (4096, 12288), (4096
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 128, 256, 1024])
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 128, 256, 1024, 4096])
 @pytest.mark.parametrize("k,n", W4A16_SHAPES)
 def test_gpu_w4a16_7b_shapes(dtype, m, k, n):
     _cases().check_w4a16("cuda", dtype, m, k, n, 128, act_order=False)
