@@ -42,7 +42,7 @@ T = TypeVar("T")
 LLAMACPP = "llama.cpp CUDA (recorded, same H200)"
 PEER_LLAMACPP_SMOLLM2_BS1 = 932.0  # tok/s, SmolLM2-135M-shape Q4_1, batch 1
 PEER_LLAMACPP_7B_BS1_FRACTION = 0.33  # 354 tok/s Q4_0 = 33% of the bandwidth roofline
-PEER_LLAMACPP_7B_128 = 5946.0  # generated tok/s, 128 parallel sequences
+PEER_LLAMACPP_7B_128 = 3954.0  # generated tok/s over the whole run, 128 x (128 + 128) (decode-only S_TG: 5,946)
 PEER_HF_7B_BS128 = 1329.0  # HF transformers fp16 Llama-2-7B, batch 128 (recorded; the bench measures its own)
 
 

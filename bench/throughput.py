@@ -5,7 +5,8 @@ Run on the GPU machine: ``python3 bench/throughput.py [--out bench/results/throu
 
 - ``awq128``: 7B-shape AWQ, ``--concurrent`` (128) requests of ``--input-len`` (128) prompt + ``--output-len``
   (128) output tokens, all submitted at once; ``generated tok/s = requests * output_len / wall time`` (prefill
-  included), median of ``--repeats``. Target >= 12,000 (llama.cpp: 5,946 decode tok/s at 128 sequences).
+  included), median of ``--repeats``. Target >= 10,000 (issue 16: 2.5x llama.cpp on the same basis, 3,954
+  generated tok/s over its whole run of 128 x (128 + 128); its decode-only S_TG of 5,946 is not comparable).
 - ``mix``: fp16 7B shape, ``--num-requests`` (1000) requests of a ``--dataset`` length mix (default
   ``sharegpt``: log-normal prompt and output lengths drawn from ``--seed``, see ``sharegpt_like``). Pagoda
   runs all of them; HF ``generate`` runs the first ``--hf-requests`` (whole static batches of
@@ -149,7 +150,7 @@ def bench_awq128(run: BenchRun) -> None:
             seconds, generated = timed(pagoda_generate, args.device, llm, requests)
             rates.append(generated / seconds)
         rate = statistics.median(rates)
-        run.add(at_least(f"{label}: generated tok/s", rate, "tok/s", 12000, LLAMACPP + ", Q4_0",
+        run.add(at_least(f"{label}: generated tok/s", rate, "tok/s", 10000, LLAMACPP + ", Q4_0, whole run",
                          PEER_LLAMACPP_7B_128),
                 info(f"{label}: request throughput", rate / args.output_len, "req/s"))
     finally:
