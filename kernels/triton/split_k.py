@@ -4,7 +4,7 @@ Why in the launch: a second reduce kernel is one more launch per matmul (~1.3 us
 counters another. Each program stores its fp32 partial and takes a ticket from its column tile's counter;
 the last to arrive sums the partials and writes the output. The counters live on the weight tensor
 (``lock_buffer``) and are left at a multiple of LOCK_PERIOD after every call, so a launch needs no zeroing
-and is CUDA-graph safe. One planner, one ticket and one release serve every W4A16 kernel.
+and is CUDA-graph safe. One planner, one ticket, one sum and one release serve every W4A16 kernel.
 """
 
 from __future__ import annotations
@@ -51,6 +51,18 @@ def last_to_arrive(lock_ptr, counter, arrivals):
     tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
     ticket = tl.atomic_add(lock_ptr + counter, 1, sem="acq_rel", scope="gpu")
     return (ticket & (LOCK_PERIOD - 1)) == arrivals - 1
+
+
+@triton.jit
+def sum_partials(part_ptr, tile, mask, splits, split_stride, SPLITS: tl.constexpr):
+    """The last program's total of a tile: the fp32 partials at offsets ``tile`` of each of the ``splits``
+    partial blocks (``split_stride`` elements apart), ``SPLITS`` a power of 2 >= splits. Unrolled, so the loads
+    are in flight together rather than one L2 round trip per split."""
+    total = tl.zeros(tile.shape, tl.float32)
+    for sk in tl.static_range(SPLITS):
+        live = mask & ((tile * 0 + sk) < splits)  # (a tensor mask: the interpreter mistypes scalars)
+        total += tl.load(part_ptr + sk * split_stride + tile, mask=live, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit

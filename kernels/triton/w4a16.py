@@ -48,6 +48,7 @@ from kernels.triton.w4a16_planes import (
 DEQUANT_MIN_M = 128
 PLANES_MAX_M = 16
 MMA_MAX_M = 128  # above it dequantize-then-cuBLAS was as fast or faster at 256 rows (BENCHMARKS.md, issue 16)
+TENSOR_CORE_PATHS = {"planes": (planes_config, planes_matmul), "mma": (mma_config, mma_matmul)}  # (plan, launch)
 
 
 @triton.jit
@@ -419,9 +420,8 @@ def w4a16_matmul(
     if m == 0:
         return out
     sms = num_sms(x.device)
-    tensor_core = {"planes": (planes_config, planes_matmul), "mma": (mma_config, mma_matmul)}
-    if path in tensor_core:
-        plan, run = tensor_core[path]
+    if path in TENSOR_CORE_PATHS:
+        plan, run = TENSOR_CORE_PATHS[path]
         cfg = dict(config or plan(m, n, k, sms))
         if interpreting():
             cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_warps=4, num_stages=1)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k, sum_partials
 from kernels.triton.w4a16_planes import _unpack_byte
 
 K_STEP = 128  # input rows per K step: 16 packed words of 8 nibble planes
@@ -107,10 +107,7 @@ def _mma_kernel(
         tile = rn[:, None] + rm.to(tl.int64)[None, :] * N
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
         if last_to_arrive(lock_ptr, pid, splits):
-            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for sk in tl.static_range(SPLITS):  # unrolled: the loads are in flight together
-                live = mask & ((tile * 0 + sk) < splits)  # (a tensor mask: the interpreter mistypes scalars)
-                total += tl.load(part_ptr + sk * M * N + tile, mask=live, other=0.0, cache_modifier=".cg")
+            total = sum_partials(part_ptr, tile, mask, splits, M * N, SPLITS)
             tl.store(out_ptr + out_tile, total.to(dtype), mask=mask)
             rearm(lock_ptr, pid, lock_rest)
 

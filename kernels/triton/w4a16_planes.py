@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k, sum_partials
 
 
 @triton.jit
@@ -199,10 +199,7 @@ def _planes_kernel(
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
         if SERIAL:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if last_to_arrive(lock_ptr, pid, splits):
-                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for sk in tl.static_range(SPLITS):  # unrolled: the loads are in flight together, not one per trip
-                    live = mask & ((tile * 0 + sk) < splits)  # (a tensor mask: the interpreter mistypes scalars)
-                    total += tl.load(part_ptr + sk * M * N + tile, mask=live, other=0.0, cache_modifier=".cg")
+                total = sum_partials(part_ptr, tile, mask, splits, M * N, SPLITS)
                 tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], total.to(dtype), mask=mask)
                 rearm(lock_ptr, pid, lock_rest)
 
