@@ -132,14 +132,20 @@ def random_int4(k: int, n: int, group: int = GROUP):
     return qweight, scales, zeros
 
 
+def weight_sets(k: int, n: int) -> tuple[list, list]:
+    """Packed int4 and fp16 [K, N] weights, enough sets of each to exceed the L2 (operands come from HBM)."""
+    packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
+    dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
+    return packed, dense
+
+
 def int4_bytes(m: int, k: int, n: int) -> int:
     return k * n // 2 + 2 * (k // GROUP) * n * 2 + m * k * 2 + m * n * 2
 
 
 def bench_w4a16(copy_bw: float, out: list, extra: list) -> None:
     for label, (k, n) in W4A16_SHAPES.items():
-        packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
-        dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
+        packed, dense = weight_sets(k, n)
         for m in [1, 2, 4, 8, 16, 256, 1024, 4096]:
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             t_q = bench_graph([partial(triton_ops.w4a16_matmul, x, *p, GROUP) for p in packed])
@@ -170,8 +176,7 @@ def bench_w4a16_batched(out: list, extra: list) -> None:
     """Issue 16: the shipped W4A16 path at 16-256 rows against fp16 cuBLAS on the same shape, as speed ratios
     (fp16 time / W4A16 time): >= 2 at 16 and 32 rows, >= 0.9 at 64, 128 and 256."""
     for label, (k, n) in BATCHED_SHAPES.items():
-        packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
-        dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
+        packed, dense = weight_sets(k, n)
         for m in (16, 32, 64, 128, 256):
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             t_q = bench_graph([partial(triton_ops.w4a16_matmul, x, *p, GROUP) for p in packed])
@@ -336,8 +341,7 @@ def sweep(copy_bw: float, path: str) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     found: dict = {"w4a16_planes": []}
     for label, (k, n) in W4A16_SHAPES.items():
-        packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
-        dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
+        packed, dense = weight_sets(k, n)
         for m in (1, 16):
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             t_h = bench_graph([partial(torch.matmul, x, w) for w in dense])
@@ -383,8 +387,7 @@ def sweep_mma(path: str) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     found: dict = {"w4a16_mma": []}
     for label, (k, n) in BATCHED_SHAPES.items():
-        packed = [random_int4(k, n) for _ in range(sets_for(int4_bytes(1, k, n)))]
-        dense = [torch.randn(k, n, dtype=DTYPE, device=DEV) for _ in range(sets_for(2 * k * n))]
+        packed, dense = weight_sets(k, n)
         for m in (32, 64, 128, 256):
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             t_h = bench_graph([partial(torch.matmul, x, w) for w in dense])
