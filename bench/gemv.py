@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kernels import bench_graph, copy_bandwidth, random_int4, sets_for
 from kernels.triton import w4a16 as w4a16_mod
 from kernels.triton.common import num_sms
-from kernels.triton.w4a16_gemv import GemvPlan, gemv_plan, w4a16_gemv
+from kernels.triton.w4a16_gemv import SMALL_MATRIX, GemvPlan, gemv_plan, w4a16_gemv
 
 DEV = "cuda"
 SHAPES = {  # K x N, group size; the issue's targets are on the Llama-3-8B shapes
@@ -41,6 +41,10 @@ SHAPES = {  # K x N, group size; the issue's targets are on the Llama-3-8B shape
     "SmolLM2 qkv 576x960 g32": (576, 960, 32),
     "SmolLM2 gate/up 576x3072 g32": (576, 3072, 32),
     "SmolLM2 down 1536x576 g32": (1536, 576, 32),
+    "SmolLM2 o 576x576 g32": (576, 576, 32),
+    "0.5B gate/up 896x9728": (896, 9728, 128),  # Qwen2.5-0.5B
+    "1B o 2048x2048": (2048, 2048, 128),  # Llama-3.2-1B
+    "1B gate/up 2048x16384": (2048, 16384, 128),
 }
 TARGETS = {  # shape -> (fraction of copy bandwidth, x GemLite, x tinygemm)
     "8B gate or up 4096x14336": (0.70, 1.3, 1.2),
@@ -115,15 +119,22 @@ def time_all(x, weights, k: int, n: int, group: int, peer_sets: int) -> dict:
 
 
 def sweep_plans(k: int, n: int, group: int, sms: int):
-    """Tile, warps, K step and programs per SM; the split is the most that keeps the grid within ``per_sm``
-    programs an SM (one wave)."""
-    for (block_n, warps), block_k, per_sm in itertools.product(((128, 4), (128, 8), (256, 8)), (64, 128),
-                                                               (4, 6, 8)):
+    """Tile, warps, K step and programs per SM (the split is the most that keeps the grid within ``per_sm``
+    programs an SM), and one K step a program: the basis of ``gemv_plan``."""
+    small = k * n <= SMALL_MATRIX
+    tiles = ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
+    block_ks = (32, 64, 128) if small else (64, 128)
+    per_sms = (4, 8) if small else (4, 8, 16)
+    seen = set()
+    for (block_n, warps), block_k, per_sm in itertools.product(tiles, block_ks, per_sms):
         if block_k > k or k % block_k or n % block_n:
             continue
         steps = k // block_k
-        split = max(1, min(steps, per_sm * sms // -(-n // block_n), 64))
-        yield GemvPlan(block_n, block_k, split, warps)
+        for split in (max(1, min(steps, per_sm * sms // -(-n // block_n), 64)), min(steps, 64)):
+            plan = GemvPlan(block_n, block_k, split, warps)
+            if plan not in seen:
+                seen.add(plan)
+                yield plan
 
 
 def time_fusions() -> None:
@@ -150,10 +161,11 @@ def time_fusions() -> None:
         times = {}
         sms = num_sms(torch.device(DEV))
         for name, fused in variants.items():
-            for per_sm in (2, 3, 4):
-                plan = gemv_plan(n, k, 128, sms, head_dim if "rope" in fused else None, programs_per_sm=per_sm)
+            for per_sm in (8, 12, 16):
+                plan = gemv_plan(n, k, 128, sms, head_dim if "rope" in fused else None, "norm_weight" in fused,
+                                 warps_per_sm=per_sm)
                 calls = [partial(w4a16_gemv, x, *w, 128, plan=plan, **fused) for w in weights]
-                times[f"{name or 'plain'} {per_sm}/SM"] = round(bench_graph(calls) * 1e3, 2)
+                times[f"{name or 'plain'} {per_sm} warps/SM"] = round(bench_graph(calls) * 1e3, 2)
         print(json.dumps({"fusions": label, **times}), flush=True)
     from kernels.triton.w4a16_gemv import _gemv_kernel
 
@@ -168,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/kernels_gemv.json")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--only", default="", help="substring of the shape names to run")
+    parser.add_argument("--only", default="", help="comma-separated substrings of the shape names to run")
     parser.add_argument("--fusions", action="store_true", help="only time the fused variants on 7B shapes")
     args = parser.parse_args()
     if args.fusions:
@@ -180,7 +192,7 @@ def main() -> None:
     print(f"card {torch.cuda.get_device_name()}  copy bandwidth {copy_bw:.0f} GB/s  SMs {sms}", flush=True)
     rows, sweeps = [], {}
     for label, (k, n, group) in SHAPES.items():
-        if args.only and args.only not in label:
+        if args.only and not any(part in label for part in args.only.split(",")):
             continue
         count = sets_for(weight_bytes(k, n, group))
         weights = [random_int4(k, n, group) for _ in range(count)]

@@ -162,24 +162,30 @@ def check_decode_attention(
     kv_heads: int,
     head_dim: int,
     block_size: int,
-    partition_size: int | None = None,
+    num_splits: int | None = None,
     sliding_window: int = 0,
+    config: dict | None = None,
 ) -> None:
     from kernels.triton.decode_attention import decode_attention
+    from kernels.triton.split_k import LOCK_ATTR
 
     k_cache, v_cache, table = random_paged_kv(device, dtype, context_lens, kv_heads, head_dim, block_size)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    q = torch.randn(len(context_lens), heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
-    poison(device, q.numel() * q.element_size())
-    if partition_size is None:
-        out = _ops().paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window)
-    else:
-        out = decode_attention(q, k_cache, v_cache, table, lens, scale, partition_size=partition_size,
-                               sliding_window=sliding_window)
-    exp = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window)
-    assert_close(out, exp, TOL[dtype]["attention"],
-                 f"decode attention (partition {partition_size}, window {sliding_window})")
+    for _ in range(2):  # a second call on the same cache finds the split counters left ready for it
+        q = torch.randn(len(context_lens), heads, head_dim, dtype=dtype, device=device)
+        poison(device, q.numel() * q.element_size())
+        if num_splits is None and config is None:
+            out = _ops().paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window)
+        else:
+            out = decode_attention(q, k_cache, v_cache, table, lens, scale, num_splits=num_splits, config=config,
+                                   sliding_window=sliding_window)
+        exp = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window)
+        assert_close(out, exp, TOL[dtype]["attention"],
+                     f"decode attention ({num_splits} splits, window {sliding_window}, config {config})")
+    lock = getattr(k_cache, LOCK_ATTR, None)
+    if lock is not None:
+        assert int(lock.remainder(1024).abs().sum()) == 0  # counters left at multiples of the period
 
 
 def check_prefill_attention(
@@ -418,15 +424,22 @@ def test_reshape_and_cache(block_size):
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
-@pytest.mark.parametrize("block_size,partition", [(16, None), (16, 32), (32, 64)])
-def test_decode_attention(dtype, heads, kv_heads, block_size, partition):
-    check_decode_attention("cpu", dtype, [1, 37, 100], heads, kv_heads, 32, block_size, partition)
+@pytest.mark.parametrize("block_size,splits", [(16, None), (16, 3), (32, 8)])
+def test_decode_attention(dtype, heads, kv_heads, block_size, splits):
+    # contexts of one tile, a few and several: one live partition, some split programs idle, all busy
+    check_decode_attention("cpu", dtype, [1, 37, 100], heads, kv_heads, 32, block_size, splits)
 
 
-@pytest.mark.parametrize("window,partition", [(1, None), (20, None), (37, 32), (64, 32)])
-def test_decode_attention_sliding_window(window, partition):
+def test_decode_attention_combines_partials_in_several_steps():
+    # the last program combines at most S_CHUNK partitions at a time: 7 live partitions in 4 steps of 2
+    config = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "S_CHUNK": 2}
+    check_decode_attention("cpu", torch.float16, [100, 0, 17], 6, 2, 32, 16, 8, config=config)
+
+
+@pytest.mark.parametrize("window,splits", [(1, None), (20, None), (37, 3), (64, 8)])
+def test_decode_attention_sliding_window(window, splits):
     # windows shorter than, equal to and longer than some contexts, across partition edges
-    check_decode_attention("cpu", torch.float16, [1, 37, 100], 4, 2, 32, 16, partition, sliding_window=window)
+    check_decode_attention("cpu", torch.float16, [1, 37, 100], 4, 2, 32, 16, splits, sliding_window=window)
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 40])

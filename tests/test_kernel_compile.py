@@ -108,12 +108,13 @@ def test_decode_attention_compiles_for_hopper(head_dim, split):
     config = decode_attention._config(block_size=16, head_dim=head_dim)
     group = 4  # q heads per kv head
     args = {"q_ptr": F16, "k_cache": F16, "v_cache": F16, "block_tables": I32, "context_lens": I32, "out_ptr": F16,
-            "part_acc": F32, "part_ml": F32, "qk_scale": 0.1, "partition_size": 512, "window": 2**30,
+            "part_acc": F32, "part_ml": F32, "lock_ptr": I32, "qk_scale": 0.1, "window": 2**30,
             "stride_qs": 4096, "stride_qh": head_dim, "stride_os": 4096, "stride_oh": head_dim, "num_splits": 8,
             **ATTENTION_STRIDES,
             **{key: Constexpr(value) for key, value in {
-                "GROUP": group, "GROUP_PAD": 16, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_SIZE": 16,
-                "BLOCK_N": config["BLOCK_N"], "SPLIT": split, "P_SPLIT": False}.items()}}
+                "GROUP": group, "GROUP_PAD": 16, "GROUP_P2": group, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
+                "BLOCK_SIZE": 16, "BLOCK_N": config["BLOCK_N"], "SPLIT": split,
+                "S_CHUNK": decode_attention.reduce_chunk(group, head_dim), "P_SPLIT": False}.items()}}
     kernel = compile_for_hopper(decode_attention._decode_kernel, args, config["num_warps"], config["num_stages"])
     assert kernel.spilled_bytes == 0 and kernel.shared_bytes <= HOPPER_SHARED_BYTES, kernel
 

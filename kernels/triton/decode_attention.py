@@ -1,11 +1,19 @@
-"""Paged decode attention (one query token per sequence): GQA-grouped, split-KV (flash-decoding) + reduce.
+"""Paged decode attention (one query token per sequence): GQA-grouped, split-KV (flash-decoding) in one launch.
 
-A program owns one (sequence, KV head, KV partition): it loads the KV head's whole query group once
-([GROUP_PAD, D], padded to 16 rows so the scores are a tensor-core dot), streams the partition's K/V rows
-through the block table (block ids cast to int64 before any pointer math) with an online softmax, and
-either writes the normalised output (one partition) or an unnormalised partial plus its running max and
-sum, which ``_reduce_kernel`` combines. Partitions come from the block-table width, so the launch needs
-no host sync on context lengths (CUDA-graph friendly); partitions past a sequence's end write empty partials.
+A program owns one (sequence, KV head, KV split): it loads the KV head's whole query group once
+([GROUP_PAD, D], padded to 16 rows so the scores are a tensor-core dot), streams its partition's K/V rows
+through the block table (block ids cast to int64 before any pointer math) with an online softmax, and either
+writes the normalised output (one partition) or an unnormalised partial plus its running max and sum.
+
+Why the split is sized inside the kernel: the grid is fixed when a CUDA graph is captured (from the
+block-table width, i.e. the longest context the graph allows), but the context actually present decides how
+the work should be cut. Each program reads its sequence's length and cuts the visible keys into partitions of
+whole tiles, at most one per split program; programs past the last partition return at once. So a
+256-token context on a graph built for 8,192 runs as a few one-tile programs instead of a few long ones.
+
+Why no reduce kernel: inside a graph each launch costs ~1.3 us of dependency gap on Hopper. The last of a
+(sequence, KV head)'s programs to store its partial (split_k.py's arrival counter, kept on the KV cache
+tensor) combines the partials of every live partition and writes the output.
 """
 
 from __future__ import annotations
@@ -15,9 +23,86 @@ import triton
 import triton.language as tl
 
 from kernels.triton.common import cdiv, interpreting, next_pow2, num_sms
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # the window bound of full attention: past any context length
+REDUCE_ELEMENTS = 4096  # fp32 partial elements the last program combines per step (32 registers a thread)
+MIN_LOCKS = 4096  # counters made per KV cache on first use: (sequence, KV head) pairs of the largest batch
+
+
+@triton.jit
+def _partition(ctx, window, num_splits, BLOCK_N: tl.constexpr):
+    # the visible keys [first, ctx) cut into whole tiles, one partition per split program at most ->
+    # (first key, keys per partition, live partitions >= 1)
+    first = tl.maximum(ctx - window, 0)
+    span = ctx - first
+    size = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    return first, size, tl.maximum(tl.cdiv(span, size), 1)
+
+
+@triton.jit
+def _attend(q, k_head, v_head, bt_row, start, end, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, d,
+            d_mask, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, P_SPLIT: tl.constexpr):
+    # online softmax of the query group q [GROUP_PAD, BLOCK_D] over keys [start, end) ->
+    # (unnormalised acc [GROUP_PAD, BLOCK_D], running max m (log2 domain), softmax sum l [GROUP_PAD])
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        t_mask = t < end
+        block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        offs = t % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))  # constant along D when even
+        k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :], mask=kv_mask,
+                    other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :], mask=kv_mask,
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if P_SPLIT:  # p = hi + lo in two fp16 dots: the PV product keeps ~22 bits of p (tensor cores are idle here)
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _combine_partials(part_acc, part_ml, pair_base, live, d, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                      BLOCK_D: tl.constexpr, S_CHUNK: tl.constexpr):
+    # the partials of partitions [0, live) of one (sequence, KV head), rows (partition * GROUP_P2 + head) from
+    # pair_base -> normalised output [GROUP_P2, BLOCK_D] fp32; S_CHUNK partitions are loaded at once
+    r = tl.arange(0, S_CHUNK * GROUP_P2)  # (partition, head) flattened
+    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_run = tl.zeros([GROUP_P2], tl.float32)
+    acc_run = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+    for c0 in range(0, live, S_CHUNK):
+        valid = ((c0 + r // GROUP_P2) < live) & (r % GROUP_P2 < GROUP)  # padding heads were never written
+        row = pair_base + c0 * GROUP_P2 + r
+        m = tl.reshape(tl.load(part_ml + row * 2, mask=valid, other=float("-inf"), cache_modifier=".cg"),
+                       [S_CHUNK, GROUP_P2])
+        l = tl.reshape(tl.load(part_ml + row * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg"),
+                       [S_CHUNK, GROUP_P2])
+        acc = tl.reshape(tl.load(part_acc + row[:, None] * BLOCK_D + d[None, :], mask=valid[:, None], other=0.0,
+                                 cache_modifier=".cg"), [S_CHUNK, GROUP_P2, BLOCK_D])
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))  # [GROUP_P2]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)
+        w = tl.where(l > 0.0, tl.exp2(m - m_safe[None, :]), 0.0)  # [S_CHUNK, GROUP_P2]; empty partials weigh 0
+        l_run = l_run * alpha + tl.sum(w * l, axis=0)
+        acc_run = acc_run * alpha[:, None] + tl.sum(acc * w[:, :, None], axis=0)
+        m_run = m_new
+    l_safe = tl.where(l_run == 0.0, 1.0, l_run)  # an empty context gives zeros, like the reference
+    return acc_run / l_safe[:, None]
 
 
 @triton.jit
@@ -30,8 +115,8 @@ def _decode_kernel(
     out_ptr,
     part_acc,
     part_ml,
+    lock_ptr,
     qk_scale,
-    partition_size,
     window,
     stride_qs,
     stride_qh,
@@ -47,121 +132,55 @@ def _decode_kernel(
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    S_CHUNK: tl.constexpr,
     P_SPLIT: tl.constexpr,
 ):
+    # grid = (sequences, KV heads, split programs); partials [pairs * num_splits * GROUP_P2, BLOCK_D] and their
+    # (max, sum) [.., 2], one row per (sequence, KV head, partition, query head)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
     ctx = tl.load(context_lens + seq)
-    # keys [ctx - window, ctx) are visible (window: the sliding window, or a bound past any context); a
-    # partition wholly before them reads nothing
-    start = tl.maximum(split * partition_size, ctx - window)
-    end = tl.minimum(split * partition_size + partition_size, ctx)
-
-    rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this KV head
-    d = tl.arange(0, BLOCK_D)
-    row_mask = rows < GROUP
-    d_mask = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
-        mask=row_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [GROUP_PAD, BLOCK_D]
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    bt_row = block_tables + seq64 * stride_bts
-    k_head = k_cache + kv_head.to(tl.int64) * stride_kh
-    v_head = v_cache + kv_head.to(tl.int64) * stride_vh
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
-        t_mask = t < end
-        block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        offs = t % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))  # constant along D when even
-        k = tl.load(
-            k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if P_SPLIT:  # p = hi + lo in two fp16 dots: the PV product keeps ~22 bits of p (tensor cores are idle here)
-            p_hi = p.to(v.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    if SPLIT:
-        base = (seq64 * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [GROUP_PAD] partial rows
-        tl.store(part_acc + base[:, None] * BLOCK_D + d[None, :], acc, mask=row_mask[:, None])
-        tl.store(part_ml + base * 2, m_i, mask=row_mask)
-        tl.store(part_ml + base * 2 + 1, l_i, mask=row_mask)
-    else:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty context gives zeros, like the reference
-        out = acc / l_safe[:, None]
-        tl.store(
-            out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & d_mask[None, :],
-        )
-
-
-@triton.jit
-def _reduce_kernel(
-    part_acc,
-    part_ml,
-    out_ptr,
-    num_splits,
-    stride_os,
-    stride_oh,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    # partials [num_seqs * num_heads, num_splits, BLOCK_D] -> out [num_seqs, num_heads, HEAD_DIM]
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    row = seq * num_heads + head
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    m = tl.load(part_ml + (row * num_splits + s) * 2, mask=s_mask, other=float("-inf"))
-    denom = tl.load(part_ml + (row * num_splits + s) * 2 + 1, mask=s_mask, other=0.0)  # softmax sums
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(s_mask & (denom > 0.0), tl.exp2(m - m_max), 0.0)  # [BLOCK_S]
-    acc = tl.load(
-        part_acc + (row * num_splits + s)[:, None] * BLOCK_D + d[None, :],
-        mask=(s_mask & (denom > 0.0))[:, None],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w * denom, axis=0)
-    total = tl.where(total == 0.0, 1.0, total)
-    out = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(
-        out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM
-    )
+    first, size, live = _partition(ctx, window, num_splits, BLOCK_N)
+    if split < live:  # programs past the last partition have nothing to do
+        start = first + split * size
+        end = tl.minimum(start + size, ctx)
+        rows = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this KV head
+        d = tl.arange(0, BLOCK_D)
+        row_mask = rows < GROUP
+        d_mask = d < HEAD_DIM
+        q = tl.load(q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, BLOCK_D]
+        acc, m_i, l_i = _attend(q, k_cache + kv_head.to(tl.int64) * stride_kh,
+                                v_cache + kv_head.to(tl.int64) * stride_vh, block_tables + seq64 * stride_bts,
+                                start, end, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, d, d_mask,
+                                GROUP_PAD, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N, P_SPLIT)
+        out_rows = out_ptr + seq64 * stride_os
+        if live == 1:
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty context gives zeros, like the reference
+            tl.store(out_rows + heads[:, None] * stride_oh + d[None, :],
+                     (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        elif SPLIT:
+            pair = seq64 * tl.num_programs(1) + kv_head
+            pair_base = pair * num_splits * GROUP_P2
+            part = pair_base + split * GROUP_P2 + rows  # [GROUP_PAD] partial rows
+            tl.store(part_acc + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_mask[:, None])
+            tl.store(part_ml + part * 2, m_i, mask=row_mask)
+            tl.store(part_ml + part * 2 + 1, l_i, mask=row_mask)
+            if last_to_arrive(lock_ptr, pair, live):
+                out = _combine_partials(part_acc, part_ml, pair_base, live, d, GROUP, GROUP_P2, BLOCK_D, S_CHUNK)
+                g = tl.arange(0, GROUP_P2)
+                tl.store(out_rows + (kv_head * GROUP + g)[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & d_mask[None, :])
+                rearm(lock_ptr, pair, (live * 0 + LOCK_PERIOD) - live)  # (tensor arithmetic: the interpreter)
 
 
 def _config(block_size: int, head_dim: int = 128) -> dict:
@@ -173,14 +192,18 @@ def _config(block_size: int, head_dim: int = 128) -> dict:
     return {"BLOCK_N": max(64, block_size), "num_warps": 4, "num_stages": 4 if head_dim <= 128 else 2}
 
 
-def choose_partition(num_seqs: int, num_kv_heads: int, max_ctx: int, block_n: int, sms: int) -> int:
-    """Tokens per KV partition: one partition when seqs x KV heads already fill the GPU, else enough
-    partitions for ~4 programs per SM, each at least 4 tiles long (so the reduce stays cheap)."""
+def reduce_chunk(group: int, block_d: int) -> int:
+    """Partitions the last program combines per step: REDUCE_ELEMENTS fp32 values of partial outputs."""
+    return max(1, REDUCE_ELEMENTS // (next_pow2(group) * block_d))
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_ctx: int, block_n: int, sms: int, chunk: int) -> int:
+    """Split programs per (sequence, KV head): one when seqs x KV heads already fill the GPU, else enough for
+    ~4 programs per SM, at most one per tile of the longest context and four reduce steps of partitions."""
     base = num_seqs * num_kv_heads
-    if base >= 2 * sms or max_ctx <= 4 * block_n:
-        return max(max_ctx, 1)
-    splits = min(cdiv(4 * sms, base), cdiv(max_ctx, 4 * block_n))
-    return cdiv(cdiv(max_ctx, splits), block_n) * block_n
+    if base >= 2 * sms or max_ctx <= block_n:
+        return 1
+    return max(1, min(cdiv(4 * sms, base), cdiv(max_ctx, block_n), 4 * chunk))
 
 
 def decode_attention(
@@ -190,13 +213,14 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    partition_size: int | None = None,
+    num_splits: int | None = None,
     config: dict | None = None,
     sliding_window: int = 0,
 ) -> torch.Tensor:
     # q: [num_seqs, H, D]; k_cache/v_cache: [num_blocks, block_size, KH, D]
     # block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] -> out [num_seqs, H, D]
-    # sliding_window W > 0: only the last W keys are visible
+    # sliding_window W > 0: only the last W keys are visible. num_splits: split programs per (sequence, KV
+    # head), chosen from the device and the block-table width unless given
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
@@ -211,69 +235,29 @@ def decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    group_pad = max(16, next_pow2(group))
+    group_p2 = next_pow2(group)
     block_d = next_pow2(head_dim)
     cfg = dict(config or _config(block_size, head_dim))
     cfg.setdefault("P_SPLIT", False)
     block_n = cfg.pop("BLOCK_N")
-    max_ctx = block_tables.shape[1] * block_size
-    if partition_size is None:
-        partition_size = choose_partition(num_seqs, num_kv_heads, max_ctx, block_n, num_sms(q.device))
-    num_splits = cdiv(max_ctx, partition_size)
+    chunk = cfg.pop("S_CHUNK", reduce_chunk(group, block_d))
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_n,
+                                   num_sms(q.device), chunk)
+    pairs = num_seqs * num_kv_heads
     split = num_splits > 1
     if split:
-        part_acc = torch.empty(
-            (num_seqs * num_heads * num_splits, block_d), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty((num_seqs * num_heads * num_splits, 2), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((pairs * num_splits * group_p2, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((pairs * num_splits * group_p2, 2), dtype=torch.float32, device=q.device)
+        lock = lock_buffer(k_cache, pairs, reuse=True, min_tiles=MIN_LOCKS)
     else:
-        part_acc = part_ml = out  # unused
-    grid = (num_seqs, num_kv_heads, num_splits)
-    _decode_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        out,
-        part_acc,
-        part_ml,
-        scale * LOG2E,
-        partition_size,
+        part_acc = part_ml = lock = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, lock, scale * LOG2E,
         sliding_window if sliding_window > 0 else NO_WINDOW,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        SPLIT=split,
-        **cfg,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
+        GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, S_CHUNK=chunk, **cfg,
     )
-    if split:
-        _reduce_kernel[(num_seqs, num_heads)](
-            part_acc,
-            part_ml,
-            out,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_S=next_pow2(num_splits),
-            num_warps=4,
-        )
     return out

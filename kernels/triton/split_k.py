@@ -26,19 +26,20 @@ def split_k(k: int, step: int, split: int) -> tuple[int, int]:
     return per, cdiv(k, per)
 
 
-def lock_buffer(qweight: torch.Tensor, tiles: int, reuse: bool) -> torch.Tensor:
-    """Split-K arrival counters, int32 [tiles]. Kept on the weight tensor (one per layer, so engines and layers
-    never share one; calls on one weight run in stream order): the kernel leaves every counter at a multiple
-    of LOCK_PERIOD, so it needs zeroing only when first made (a memset, also fine inside graph capture). The
-    stored buffer is never replaced (a captured graph may hold it); a launch that needs more tiles than it has
-    (forced tiles for M > 16 in benchmarks) gets fresh zeroed counters of its own."""
-    lock = getattr(qweight, LOCK_ATTR, None) if reuse else None
+def lock_buffer(owner: torch.Tensor, tiles: int, reuse: bool, min_tiles: int | None = None) -> torch.Tensor:
+    """Split-K arrival counters, int32 [tiles]. Kept on the tensor that owns them (a layer's weight or KV cache,
+    so engines and layers never share one; calls on one owner run in stream order): the kernel leaves every
+    counter at a multiple of LOCK_PERIOD, so it needs zeroing only when first made (a memset, also fine inside
+    graph capture). The first buffer has ``min_tiles`` counters (default: one per 32 weight columns). The stored
+    buffer is never replaced (a captured graph may hold it); a launch that needs more tiles than it has (forced
+    tiles for M > 16 in benchmarks) gets fresh zeroed counters of its own."""
+    lock = getattr(owner, LOCK_ATTR, None) if reuse else None
     if reuse and lock is None:
-        lock = torch.zeros((max(tiles, triton.cdiv(qweight.shape[1], 32)),), dtype=torch.int32,
-                           device=qweight.device)
-        setattr(qweight, LOCK_ATTR, lock)
+        first = min_tiles if min_tiles is not None else triton.cdiv(owner.shape[1], 32)
+        lock = torch.zeros((max(tiles, first),), dtype=torch.int32, device=owner.device)
+        setattr(owner, LOCK_ATTR, lock)
     if lock is None or lock.numel() < tiles:
-        lock = torch.zeros((tiles,), dtype=torch.int32, device=qweight.device)
+        lock = torch.zeros((tiles,), dtype=torch.int32, device=owner.device)
     return lock
 
 

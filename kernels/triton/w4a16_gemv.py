@@ -389,19 +389,31 @@ class GemvPlan:
     num_warps: int
 
 
-def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None,
-              programs_per_sm: int = 4) -> GemvPlan:
-    """Column tile, K step and split-K: about ``programs_per_sm`` programs per SM, each with a few K steps, so
-    enough 16-byte weight loads are in flight to cover HBM latency without lengthening the last program's sum.
-    A ROPE launch needs tiles of whole heads."""
+SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
+
+
+def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
+              warps_per_sm: int = 16) -> GemvPlan:
+    """Column tile, K step and split-K, from the sweeps of ``bench/gemv.py --sweep`` on an H200.
+
+    The GEMV is latency-bound, so the plan is about how many independent loads are in flight: narrow tiles
+    (one warp a 32-column tile) and enough programs for ``warps_per_sm`` warps an SM. A small matrix is one HBM
+    round trip and the split-K sum, so each of its programs loads a single K step. Wider tiles (128 columns, 4
+    warps) stay where a launch has per-program work that narrow tiles would repeat: the RMSNorm prologue
+    reduces the whole row in every program, and a ROPE launch needs tiles of whole heads."""
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 32, max(1, min(2, k // 32)), 1)
-    block_n = max(128, head_dim or 1)  # 256 columns took 168 registers a thread: 3 programs per SM, not 4
+    if k * n <= SMALL_MATRIX:
+        block_n = max(32, head_dim or 1)
+        block_k = largest_pow2_divisor(k, 64)
+        return GemvPlan(block_n, block_k, min(k // block_k, 64), max(1, block_n // 32))
     block_k = largest_pow2_divisor(k, 128)  # the K loop needs no row mask
-    tiles = cdiv(n, block_n)
     steps = k // block_k
-    split = max(1, min(steps // 2, cdiv(programs_per_sm * sms, tiles), 64))
-    return GemvPlan(block_n, block_k, split, 4)
+    if norm or head_dim:
+        block_n = max(128, head_dim or 1)  # 256 columns took 168 registers a thread: 3 programs per SM, not 4
+        split = max(1, min(steps // 2, cdiv(warps_per_sm // 4 * sms, cdiv(n, block_n)), 64))
+        return GemvPlan(block_n, block_k, split, 4)
+    return GemvPlan(32, block_k, max(1, min(steps, cdiv(warps_per_sm * sms, cdiv(n, 32)), 64)), 1)
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -451,7 +463,7 @@ def w4a16_gemv(
                          f"{x.dtype}, group {group_size})")
     x = x.contiguous()
     head_dim = rope["head_dim"] if rope is not None else None
-    plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim)
+    plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim, norm=norm_weight is not None)
     block_k = largest_pow2_divisor(k, plan.block_k)
     if block_k % group_size and group_size % block_k:
         raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
