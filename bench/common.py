@@ -38,12 +38,32 @@ from bench.random_model import SHAPES, BuildSpec, build_model
 DEFAULT_MODELS_DIR = "/tmp/pagoda-bench"
 T = TypeVar("T")
 
-# Recorded peer figures (shared/DESIGN.md, one H200, copy bandwidth 4.23 TB/s).
+# Recorded peer figures (shared/DESIGN.md, one H200, copy bandwidth 4.23 TB/s). Targets that are ratios take the
+# same run's llama.cpp figures where the bench is given them (``read_llamacpp_tg``); these are the fallback.
 LLAMACPP = "llama.cpp CUDA (recorded, same H200)"
-PEER_LLAMACPP_SMOLLM2_BS1 = 932.0  # tok/s, SmolLM2-135M-shape Q4_1, batch 1
-PEER_LLAMACPP_7B_BS1_FRACTION = 0.33  # 354 tok/s Q4_0 = 33% of the bandwidth roofline
+LLAMACPP_SAME_RUN = "llama.cpp CUDA (same run)"
+PEER_LLAMACPP_BS1 = {  # batch-1 decode (llama-bench tg128), tok/s, 2026-12-02
+    "smollm2-135m": 916.7,  # Q4_1
+    "llama2-7b": 348.5,  # Q4_0
+    "llama3-8b": 340.1,  # Q4_0
+}
+LLAMACPP_BENCH_SHAPES = {"smol": "smollm2-135m", "l7b": "llama2-7b", "l8b": "llama3-8b"}  # llamacpp_bench.sh's
 PEER_LLAMACPP_7B_128 = 3954.0  # generated tok/s over the whole run, 128 x (128 + 128) (decode-only S_TG: 5,946)
 PEER_HF_7B_BS128 = 1329.0  # HF transformers fp16 Llama-2-7B, batch 128 (recorded; the bench measures its own)
+
+
+def read_llamacpp_tg(path: Path) -> dict[str, float]:
+    """Batch-1 decode tok/s per shape from ``llamacpp_bench.sh``'s output: each ``## <shape> (<quant>)`` heading
+    followed by llama-bench's markdown table, whose ``tg128`` row gives ``t/s`` as ``mean ± sd``."""
+    rates, shape = {}, None
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("## "):  # the batched bench's table under its own heading has no tg rows
+            shape = LLAMACPP_BENCH_SHAPES.get(line[3:].split()[0])
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if shape and len(cells) >= 2 and cells[-2].startswith("tg"):
+            rates[shape] = float(cells[-1].split("±")[0])
+    return rates
 
 
 @dataclass

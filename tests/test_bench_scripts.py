@@ -127,3 +127,22 @@ def test_startup_bench_times_a_server_start(models_dir, tmp_path):
                     "--warmup-starts", "0")
     (ready,) = check_schema(doc, "startup")
     assert ready["unit"] == "s" and ready["value"] > 0 and ready["target"] == "<= 5"
+
+
+def test_llamacpp_rates_are_read_from_the_peer_script_output(tmp_path):
+    """The ratio targets' peer comes from llamacpp_bench.sh's output: each shape's tg128 row (mean ± sd)."""
+    from bench.common import read_llamacpp_tg
+
+    rows = ["| model | size | params | backend | ngl | test | t/s |", "| --- | ---: | ---: | --- | --: | ---: | ---: |"]
+    out = tmp_path / "llamacpp.txt"
+    out.write_text("\n".join([
+        "## smol (Q4_1)", *rows,
+        "| llama 256M Q4_1 | 108.98 MiB | 162.83 M | CUDA | 99 | pp512 | 43920.09 ± 19455.21 |",
+        "| llama 256M Q4_1 | 108.98 MiB | 162.83 M | CUDA | 99 | tg128 | 916.71 ± 20.58 |",
+        "## l8b (Q4_0)", *rows,
+        "| llama 3B Q4_0 | 3.92 GiB | 7.38 B | CUDA | 99 | tg128 | 340.11 ± 2.06 |",
+        "## l8b batched (128 prompt + 128 generated per sequence)",
+        "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |",
+        "|   128 |    128 |    1 |    256 |    0.037 |  3484.04 |    0.378 |   338.35 |    0.415 |   616.80 |",
+    ]) + "\n")
+    assert read_llamacpp_tg(out) == {"smollm2-135m": 916.71, "llama3-8b": 340.11}
