@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 import openai
 import pytest
@@ -54,7 +54,7 @@ class Order(BaseModel):
 
 class Event(BaseModel):
     kind: Literal["meeting", "call"]
-    tags: list[str] = Field(max_length=3)
+    tags: list[Annotated[str, Short]] = Field(max_length=3)  # each tag bounded too: one ran past max_tokens
     priority: float = Field(ge=0, le=1)
     owner: Person
 
