@@ -211,6 +211,7 @@ class StepGraphs:
         would otherwise fall on the first request of that size."""
         for kind, size in self.graphs:
             self._captured_batch(kind, size)  # stage the shape's harmless inputs (no KV slot is written)
+            log.debug("first replay of graph %s %d", kind, size)  # the last line before a crash names the graph
             self.graphs[kind, size].replay()
 
     def shape_for(self, inputs: StepInputs) -> tuple[str, int] | None:
