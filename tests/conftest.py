@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,21 @@ def fp16_reference(default_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def heldout_agreement(fp16_reference, heldout_ids) -> Callable[[Path], object]:
+    """Model folder -> ``evaluate.compare`` of its dequantized weights with the fp16 model on data/heldout.txt
+    (both perplexities, top-1 agreement), computed once per folder: tests/test_quantizer.py and
+    tests/test_quantized_chat.py bound the same figures. The fp16 logits are computed once for all folders."""
+    from engine.quant.evaluate import compare, load_dense_model, window_logits
+
+    reference = window_logits(fp16_reference, heldout_ids)
+    results = {}
+
+    def agreement(model_dir: Path):
+        if model_dir not in results:
+            results[model_dir] = compare(load_dense_model(model_dir), reference, heldout_ids)
+        return results[model_dir]
+
+    return agreement

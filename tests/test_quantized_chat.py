@@ -16,7 +16,6 @@ import re
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.quant.evaluate import compare, load_dense_model
 
 BUILDS = [("awq_model_dir", "awq"), ("gptq_model_dir", "gptq")]
 # Measured (BENCHMARKS.md): perplexity ratio 1.071-1.095 over six builds (float32 on two machines, float64),
@@ -53,10 +52,10 @@ def test_fp16_default_model_answers_every_fact(default_model_dir):
 
 
 @pytest.mark.parametrize("fixture, method", BUILDS)
-def test_quantized_build_tracks_fp16_on_heldout_text(request, fixture, method, fp16_reference, heldout_ids):
+def test_quantized_build_tracks_fp16_on_heldout_text(request, fixture, method, heldout_agreement):
     model_dir = request.getfixturevalue(fixture)
     assert json.loads((model_dir / "config.json").read_text())["quantization_config"]["quant_method"] == method
-    result = compare(load_dense_model(model_dir), fp16_reference, heldout_ids)
+    result = heldout_agreement(model_dir)  # evaluate.compare of the dequantized build with fp16
     print(f"{method}: {result}")
     assert result.perplexity_ratio <= MAX_PERPLEXITY_RATIO, result
     assert result.top1_agreement >= MIN_TOP1_AGREEMENT, result

@@ -19,7 +19,6 @@ import torch
 
 from engine.bundled import weights_sha256
 from engine.errors import EngineError
-from engine.quant.evaluate import load_dense_model, perplexity
 from engine.quant.quantizer import BUNDLED_SETTINGS, quantize_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +39,12 @@ def quantized(default_model_dir, awq_model_dir, gptq_model_dir, tmp_path_factory
 
 
 @pytest.fixture(scope="session")
-def perplexities(fp16_reference, quantized, heldout_ids) -> dict[str, float]:
-    result = {"fp16": perplexity(fp16_reference, heldout_ids)}
+def perplexities(quantized, heldout_agreement) -> dict[str, float]:
+    """method -> perplexity on data/heldout.txt, and the fp16 model's (conftest's held-out comparison)."""
+    result = {}
     for method, path in quantized.items():
-        result[method] = perplexity(load_dense_model(path), heldout_ids)
+        agreement = heldout_agreement(path)
+        result["fp16"], result[method] = agreement.reference_perplexity, agreement.perplexity
         print(f"{method}: perplexity {result[method]:.3f} (fp16 {result['fp16']:.3f})")
     return result
 

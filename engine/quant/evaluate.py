@@ -116,18 +116,29 @@ class Agreement:
 
 
 @torch.no_grad()
+def window_logits(model, input_ids: torch.Tensor, window: int = 2048) -> list[torch.Tensor]:
+    """The model's float32 logits [len, vocab] on each window of ``input_ids`` that ``compare`` scores: a
+    reference computed once for several models (keeps num_tokens x vocab floats: for short texts)."""
+    return [model(chunk[None, :-1]).logits[0].float() for chunk in _windows(input_ids, window)]
+
+
+@torch.no_grad()
 def compare(model, reference, input_ids: torch.Tensor, window: int = 2048) -> Agreement:
     """Teacher-forced comparison on ``input_ids`` [num_tokens]: both perplexities and top-1 agreement.
 
+    ``reference``: a model, or its ``window_logits`` on the same ``input_ids`` and ``window``.
     Top-1 agreement asks, at every position of the real text, whether the model would greedily pick the token
     the reference picks: closer to what a user sees than perplexity, without hanging on one sampled answer.
     """
     nll = {"model": 0.0, "reference": 0.0}
     agree, total = 0, 0
-    for chunk in _windows(input_ids, window):
+    for i, chunk in enumerate(_windows(input_ids, window)):
         targets = chunk[1:]
         logits = model(chunk[None, :-1]).logits[0].float()  # [len, vocab]
-        ref_logits = reference(chunk[None, :-1]).logits[0].float()  # [len, vocab]
+        if isinstance(reference, list):
+            ref_logits = reference[i]  # [len, vocab]
+        else:
+            ref_logits = reference(chunk[None, :-1]).logits[0].float()
         nll["model"] += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         nll["reference"] += torch.nn.functional.cross_entropy(ref_logits, targets, reduction="sum").item()
         agree += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
