@@ -110,6 +110,14 @@ def info(name: str, value: float | None, unit: str, peer: str | None = None,
     return Result(name, value, unit, "info", None, peer, peer_value)
 
 
+def at_least_or_info(name: str, value: float, unit: str, target: float | None, peer: str | None = None,
+                     peer_value: float | None = None) -> Result:
+    """A target row where a target is set, else an information row (benches whose targets differ by shape)."""
+    if target is None:
+        return info(name, value, unit, peer, peer_value)
+    return at_least(name, value, unit, target, peer, peer_value)
+
+
 # ---- device ------------------------------------------------------------------------------------------------
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

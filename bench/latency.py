@@ -46,6 +46,7 @@ from bench.common import (
     BenchRun,
     add_common_args,
     at_least,
+    at_least_or_info,
     copy_bandwidth,
     engine_kwargs,
     info,
@@ -162,14 +163,11 @@ def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, base_shape: st
         peer_rate = None
     peer = f"{peer}, {target.peer_quant}"
     rate = timing.tokens_per_s
-    run.add(at_least(f"{label}: decode", rate, "tok/s", target.tok_s, peer, peer_rate) if target.tok_s
-            else info(f"{label}: decode", rate, "tok/s", peer, peer_rate))
-    run.add(at_least(f"{label}: fraction of bandwidth roofline", fraction, "x roofline", target.roofline)
-            if target.roofline else info(f"{label}: fraction of bandwidth roofline", fraction, "x roofline"))
+    run.add(at_least_or_info(f"{label}: decode", rate, "tok/s", target.tok_s, peer, peer_rate),
+            at_least_or_info(f"{label}: fraction of bandwidth roofline", fraction, "x roofline", target.roofline))
     if peer_rate:
-        ratio = rate / peer_rate
-        run.add(at_least(f"{label}: decode / llama.cpp", ratio, "x", target.x_llamacpp, peer, peer_rate)
-                if target.x_llamacpp else info(f"{label}: decode / llama.cpp", ratio, "x", peer, peer_rate))
+        run.add(at_least_or_info(f"{label}: decode / llama.cpp", rate / peer_rate, "x", target.x_llamacpp, peer,
+                                 peer_rate))
     engine_weights = llm.engine.runner.weight_bytes
     run.add(info(f"{label}: roofline at measured copy BW", copy_bw * 1e9 / step_bytes, "tok/s"),
             info(f"{label}: bytes read per step (checkpoint format, weights + KV)", step_bytes / 1e9, "GB"),
