@@ -208,11 +208,17 @@ class StepGraphs:
 
     def _replay_each_once(self) -> None:
         """Launch every graph once on its dummy inputs: a graph's first launch uploads it to the device, which
-        would otherwise fall on the first request of that size."""
+        would otherwise fall on the first request of that size.
+
+        Each first launch is waited for before the next. Queued back to back, the 20 first launches of a
+        Llama-3-8B-shape AWQ engine (max_num_seqs 256) crashed the process inside the driver's cuGraphLaunch
+        (SIGSEGV, driver 580, H200; BENCHMARKS.md, issue 16 session 11); with a wait after each, or any one
+        graph launched alone, they ran. Serving never queues more than one step's graph."""
         for kind, size in self.graphs:
             self._captured_batch(kind, size)  # stage the shape's harmless inputs (no KV slot is written)
             log.debug("first replay of graph %s %d", kind, size)  # the last line before a crash names the graph
             self.graphs[kind, size].replay()
+            torch.cuda.synchronize(self.device)
 
     def shape_for(self, inputs: StepInputs) -> tuple[str, int] | None:
         """The captured shape that covers this step, or None (run it eagerly)."""
