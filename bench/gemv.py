@@ -122,9 +122,9 @@ def sweep_plans(k: int, n: int, group: int, sms: int):
     """Tile, warps, K step and programs per SM (the split is the most that keeps the grid within ``per_sm``
     programs an SM), and one K step a program: the basis of ``gemv_plan``."""
     small = k * n <= SMALL_MATRIX
-    tiles = ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
+    tiles = ((32, 1), (64, 2), (128, 1), (128, 4)) if small else ((32, 1), (128, 1), (256, 2))
     block_ks = (32, 64, 128) if small else (64, 128)
-    per_sms = (4, 8) if small else (4, 8, 16)
+    per_sms = (4, 8) if small else (8, 16, 24)
     seen = set()
     for (block_n, warps), block_k, per_sm in itertools.product(tiles, block_ks, per_sms):
         if block_k > k or k % block_k or n % block_n:

@@ -52,28 +52,30 @@ ROPE: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
-def _word_dot(qw, x04, x15, x26, x37, zz, USE_ASM: tl.constexpr):
+def _word_dot(qw, x04, x15, x26, x37, zz, zm, USE_ASM: tl.constexpr):
     """sum_j x[8r + j] * (code_j - zero) of each packed word, in fp32.
 
     qw: packed words [R, BN] int32; x04 .. x37: half2 pairs (x[8r + j] low, x[8r + j + 4] high) as int32 [R, 1];
-    zz: half2 (1024 + zero, 1024 + zero) as int32 [1, BN]."""
+    zz: half2 (1024 + zero) and zm: half2 -(64 + zero), as int32 [1, BN].
+    Nibbles j and j + 4 (j even) land in a half2 as 1024 + code with one LOP3; nibbles j + 1 and j + 5 are taken
+    in place, 16 x code, as 1024 + 16 code, and one FMA by 1/16 takes them to code - zero: 8 codes need one
+    shift (Marlin's trick), not three."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 a, b, c, d, t, acc;
+            .reg .b32 a, b, c, d, t, acc, sixteenth;
             .reg .b16 lo, hi;
             .reg .f32 flo, fhi;
+            mov.b32 sixteenth, 0x2C002C00;
             lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 t, $1, 4;
-            lop3.b32 b, t, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
             shr.u32 t, $1, 8;
             lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 t, $1, 12;
-            lop3.b32 d, t, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
             sub.f16x2 a, a, $6;
-            sub.f16x2 b, b, $6;
+            fma.rn.f16x2 b, b, sixteenth, $7;
             sub.f16x2 c, c, $6;
-            sub.f16x2 d, d, $6;
+            fma.rn.f16x2 d, d, sixteenth, $7;
             mul.rn.f16x2 acc, a, $2;
             fma.rn.f16x2 acc, b, $3, acc;
             fma.rn.f16x2 acc, c, $4, acc;
@@ -83,8 +85,8 @@ def _word_dot(qw, x04, x15, x26, x37, zz, USE_ASM: tl.constexpr):
             cvt.f32.f16 fhi, hi;
             add.f32 $0, flo, fhi;
             }""",
-            constraints="=r,r,r,r,r,r,r",
-            args=[qw, x04, x15, x26, x37, zz],
+            constraints="=r,r,r,r,r,r,r,r",
+            args=[qw, x04, x15, x26, x37, zz, zm],
             dtype=tl.float32,
             is_pure=True,
             pack=1,
@@ -164,9 +166,21 @@ def _hmul2(a, b, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _pair(lo_word, hi_word, HIGH: tl.constexpr, USE_ASM: tl.constexpr):
+    # half2 (low or high half of lo_word, the same half of hi_word) as int32: one byte permute (PRMT)
+    if USE_ASM:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, " + ("0x7632;" if HIGH else "0x5410;"), "=r,r,r",
+                                         [lo_word, hi_word], dtype=tl.int32, is_pure=True, pack=1)
+    if HIGH:
+        return ((lo_word >> 16) & 0xFFFF) | (hi_word & -65536)  # -65536: 0xFFFF0000 as int32
+    return (lo_word & 0xFFFF) | (hi_word << 16)
+
+
+@triton.jit
 def _x_word_pairs(xw_ptr, nw_ptr, rows, NORM: tl.constexpr, USE_ASM: tl.constexpr):
     # the four half2 pairs (x[8r + j], x[8r + j + 4]), j = 0..3, of packed rows r [R] from x's 32-bit words
-    # [K / 2] (word 4r + i holds x[8r + 2i], x[8r + 2i + 1]); with NORM, x times the norm weight in half2
+    # [K / 2] (word 4r + i holds x[8r + 2i], x[8r + 2i + 1]); with NORM, x times the norm weight in half2.
+    # Four loads of [R] words: one [R, 4] load split into columns went through shared memory (a layout change)
     w0 = tl.load(xw_ptr + rows * 4)
     w1 = tl.load(xw_ptr + rows * 4 + 1)
     w2 = tl.load(xw_ptr + rows * 4 + 2)
@@ -176,11 +190,8 @@ def _x_word_pairs(xw_ptr, nw_ptr, rows, NORM: tl.constexpr, USE_ASM: tl.constexp
         w1 = _hmul2(w1, tl.load(nw_ptr + rows * 4 + 1), USE_ASM)
         w2 = _hmul2(w2, tl.load(nw_ptr + rows * 4 + 2), USE_ASM)
         w3 = _hmul2(w3, tl.load(nw_ptr + rows * 4 + 3), USE_ASM)
-    x04 = (w0 & 0xFFFF) | (w2 << 16)
-    x15 = ((w0 >> 16) & 0xFFFF) | (w2 & -65536)  # -65536: 0xFFFF0000 as int32
-    x26 = (w1 & 0xFFFF) | (w3 << 16)
-    x37 = ((w1 >> 16) & 0xFFFF) | (w3 & -65536)
-    return x04, x15, x26, x37
+    return (_pair(w0, w2, False, USE_ASM), _pair(w0, w2, True, USE_ASM), _pair(w1, w3, False, USE_ASM),
+            _pair(w1, w3, True, USE_ASM))
 
 
 @triton.jit
@@ -245,28 +256,27 @@ def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_pt
 
 
 @triton.jit
-def _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0, k_end, rr, rn, n_mask, N, GROUP: tl.constexpr,
+def _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0, k_end, rows, rn, n_mask, N, GROUP: tl.constexpr,
                  ROW_GROUPS: tl.constexpr):
-    # the packed words [R, BN] of the K step at k0, its scales (fp32) and half2 (1024 + zero) pairs (int32),
-    # [R, BN] when the step spans several groups, else [1, BN]; zeros past k_end
-    rows = k0 // 8 + rr  # [R] packed rows
-    live = (rows * 8 < k_end)[:, None] & n_mask[None, :]
-    qw = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * N + rn[None, :], mask=live, other=0,
-                 eviction_policy="evict_first")
+    # the packed words [R, BN] of the K step at k0 (qw_ptrs point at them), its scales (fp32) and the half2 zero
+    # terms (1024 + zero, -(64 + zero)) as int32, [R, BN] when the step spans several groups, else [1, BN].
+    # A step lies wholly inside or wholly past its split (k_per_split is a whole number of steps), so one
+    # scalar masks the load of the step after the last
+    live = (n_mask & ((k0 + rn * 0) < k_end))[None, :]  # (a tensor mask: the interpreter mistypes scalar-bool & tensor)
+    qw = tl.load(qw_ptrs, mask=live, other=0, eviction_policy="evict_first")
     if ROW_GROUPS:
         g = (rows * 8 // GROUP)[:, None] * N + rn[None, :]  # [R, BN]
-        s = tl.load(scales_ptr + g, mask=live, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + g, mask=live, other=0.0).to(tl.int32) | 0x6400
     else:
-        live_n = n_mask & ((k0 + rn * 0) < k_end)  # (a tensor mask: the interpreter mistypes scalar-bool & tensor)
-        g = k0 // GROUP
-        s = tl.load(scales_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
-        z = (tl.load(zeros_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.int32) | 0x6400)[None, :]
-    return qw, s, z | (z << 16)
+        g = (k0 // GROUP) * N + rn[None, :]  # [1, BN]
+    s = tl.load(scales_ptr + g, mask=live, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + g, mask=live, other=0.0)
+    zz = z.to(tl.int32) | 0x6400  # fp16 bits of 1024 + zero (an integer 0..15)
+    zm = _half_bits((-64.0 - z.to(tl.float32)).to(tl.float16))
+    return qw, s, zz | (zz << 16), zm | (zm << 16)
 
 
 @triton.jit
-def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
+def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, zm, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
               USE_ASM: tl.constexpr):
     # the K step at k0: sum over its packed rows r of x[8r .. 8r + 7] . (codes - zero) * scale, fp32 [R, BN]
     if HAS_PERM:
@@ -279,7 +289,7 @@ def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM: tl.constexpr, 
         x04, x15, x26, x37 = _x_word_pairs(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
                                            norm_ptr.to(tl.pointer_type(tl.int32), bitcast=True), k0 // 8 + rr,
                                            NORM, USE_ASM)
-    return _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, USE_ASM) * s
+    return _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, USE_ASM) * s
 
 
 @triton.jit
@@ -337,16 +347,20 @@ def _gemv_kernel(
     # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
     # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch; each step then
     # loads the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
-    qw, s, zz = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k_start, k_end, rr, rn, n_mask, N, GROUP, ROW_GROUPS)
+    qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
+    qw, s, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn, n_mask, N,
+                                 GROUP, ROW_GROUPS)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     acc = tl.zeros([R, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        qw_next, s_next, zz_next = _weight_step(qw_ptr, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end, rr, rn,
-                                                n_mask, N, GROUP, ROW_GROUPS)  # masked past the split's end
-        acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, NORM, HAS_PERM, USE_ASM)
-        qw, s, zz = qw_next, s_next, zz_next
+        qw_ptrs += R * N
+        qw_next, s_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
+                                                         (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
+                                                         ROW_GROUPS)  # masked past the split's end
+        acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM)
+        qw, s, zz, zm = qw_next, s_next, zz_next, zm_next
     y = tl.sum(acc, axis=0)  # [BLOCK_N]
     if NORM:  # rmsnorm(x) . W = (weight * x) . W / rms(x): the row's scalar comes last
         y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
@@ -390,30 +404,32 @@ class GemvPlan:
 
 
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
+MAX_SPLIT = 32  # the last program of a tile sums one partial per split: 64 put ~2 us on 4096x4096's tail
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
-              warps_per_sm: int = 16) -> GemvPlan:
+              warps_per_sm: int = 24) -> GemvPlan:
     """Column tile, K step and split-K, from the sweeps of ``bench/gemv.py --sweep`` on an H200.
 
-    The GEMV is latency-bound, so the plan is about how many independent loads are in flight: narrow tiles
-    (one warp a 32-column tile) and enough programs for ``warps_per_sm`` warps an SM. A small matrix is one HBM
-    round trip and the split-K sum, so each of its programs loads a single K step. Wider tiles (128 columns, 4
-    warps) stay where a launch has per-program work that narrow tiles would repeat: the RMSNorm prologue
-    reduces the whole row in every program, and a ROPE launch needs tiles of whole heads."""
+    A large matrix takes one warp per 128 columns: Triton then gives each thread four adjacent columns of
+    every packed row (one 16-byte load), so a row's four x pairs serve four words (22 SASS instructions a
+    word; 32-column tiles, a column a thread, took 29 and a shared-memory pass for the scales). K steps of 64
+    rows keep it at 96 registers; the split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT``. With an RMSNorm prologue every
+    program reduces the whole row first, so each keeps at least two K steps. A small matrix is one HBM round
+    trip and the split-K sum, so each of its programs loads a single K step."""
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 32, max(1, min(2, k // 32)), 1)
     if k * n <= SMALL_MATRIX:
         block_n = max(32, head_dim or 1)
         block_k = largest_pow2_divisor(k, 64)
         return GemvPlan(block_n, block_k, min(k // block_k, 64), max(1, block_n // 32))
-    block_k = largest_pow2_divisor(k, 128)  # the K loop needs no row mask
+    block_k = largest_pow2_divisor(k, 64)  # the K loop needs no row mask
     steps = k // block_k
-    if norm or head_dim:
-        block_n = max(128, head_dim or 1)  # 256 columns took 168 registers a thread: 3 programs per SM, not 4
-        split = max(1, min(steps // 2, cdiv(warps_per_sm // 4 * sms, cdiv(n, block_n)), 64))
-        return GemvPlan(block_n, block_k, split, 4)
-    return GemvPlan(32, block_k, max(1, min(steps, cdiv(warps_per_sm * sms, cdiv(n, 32)), 64)), 1)
+    block_n = max(128, head_dim or 1)  # a ROPE launch's tiles hold whole heads
+    warps = block_n // 128
+    most = steps // 2 if norm else steps
+    split = max(1, min(most, cdiv(warps_per_sm * sms, cdiv(n, block_n) * warps), MAX_SPLIT))
+    return GemvPlan(block_n, block_k, split, warps)
 
 
 def pdl_supported(device: torch.device) -> bool:
