@@ -54,9 +54,10 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton type for {value!r}")
 
 
-def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int = 3) -> HopperKernel:
-    """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90: ``args`` maps every argument name to a tensor
-    dtype (a pointer), an int / float (a runtime scalar) or a ``Constexpr``. Raises Triton's CompilationError.
+def compile_source(kernel, args: dict, num_warps: int = 4, num_stages: int = 3):
+    """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90 and return Triton's CompiledKernel (its
+    ``asm`` holds ttgir, PTX and the cubin): ``args`` maps every argument name to a tensor dtype (a pointer), an
+    int / float (a runtime scalar) or a ``Constexpr``. Raises Triton's CompilationError.
 
     Specialized as Triton's launcher specializes a real launch: pointers 16-byte aligned, ints that are multiples
     of 16 known to be (which lets it vectorize loads whose masks compare with them)."""
@@ -69,15 +70,20 @@ def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int =
                if isinstance(args[name], torch.dtype)
                or (type(args[name]) is int and args[name] % 16 == 0)}  # type(): a bool is not an int here
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
-    usage = _resource_usage(compiled.asm["cubin"])
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int = 3) -> HopperKernel:
+    """``compile_source``'s kernel, as its resource use: registers, spills, shared memory, register-A wgmmas."""
+    compiled = compile_source(kernel, args, num_warps, num_stages)
+    usage = resource_usage(compiled.asm["cubin"])
     # wgmma ... {d regs}, {a regs}, b-descriptor: a brace-enclosed A operand is in registers (a descriptor is not)
     register_a = len(re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", compiled.asm["ptx"]))
     return HopperKernel(usage.registers, usage.spilled_bytes, max(usage.shared_bytes, compiled.metadata.shared),
                         register_a)
 
 
-def _resource_usage(cubin: bytes) -> HopperKernel:
+def resource_usage(cubin: bytes) -> HopperKernel:
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
@@ -90,3 +96,32 @@ def _resource_usage(cubin: bytes) -> HopperKernel:
         return int(match.group(1)) if match else 0
 
     return HopperKernel(field("REG"), field("LOCAL"), field("SHARED"))
+
+
+INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def disassemble(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS instruction of a cubin, predicates included."""
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        text = subprocess.run([str(cuobjdump), "-sass", file.name], capture_output=True, text=True,
+                              check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for m in map(INSTRUCTION.match, text.splitlines()) if m]
+
+
+def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
+    """The body of the longest backward branch (a kernel's main loop), as instruction texts."""
+    start = end = 0
+    for address, text in instructions:
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address and address - int(target.group(1), 16) > end - start:
+            start, end = int(target.group(1), 16), address
+    return [text for address, text in instructions if start <= address <= end]
+
+
+def opcode(text: str) -> str:
+    """An instruction's opcode, without its predicate."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]

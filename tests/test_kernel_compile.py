@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hopper_compile import HOPPER_SHARED_BYTES, Constexpr, compile_for_hopper
+import triton
+from hopper_compile import (
+    HOPPER_SHARED_BYTES,
+    Constexpr,
+    compile_for_hopper,
+    compile_source,
+    disassemble,
+    main_loop,
+    resource_usage,
+)
 
 from kernels.triton import decode_attention, prefill_attention, token_mask
-from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel
+from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel, gemv_plan
 from kernels.triton.w4a16_mma import _mma_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
 
@@ -40,18 +49,42 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "epilogue", "norm", "perm"), VARIANTS, ids=[v[0] for v in VARIANTS])
-def test_gemv_variant_compiles_for_hopper(name, epilogue, norm, perm):
+def _gemv_args(name: str, epilogue, norm: bool, perm: bool, plan) -> dict:
+    """The GEMV's arguments for a Llama-3-8B-shape launch (K = 4096, group 128) under ``plan``."""
     rope = epilogue == ROPE
     constexprs = {"GROUP": 128, "NORM": norm, "EPILOGUE": epilogue.value, "HAS_PERM": perm, "USE_ASM": True,
                   "USE_PDL": True, "Q_SIZE": 4096 if rope else 0, "KV_SIZE": 1024 if rope else 0,
                   "HEAD_DIM": 128 if rope else 1, "QK_NORM": "qk-norm" in name, "HAS_BIAS": "bias" in name,
-                  "BLOCK_N": 128, "BLOCK_K": 128, "SPLITS": 16,
+                  "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "SPLITS": triton.next_power_of_2(plan.split),
                   "NORM_BLOCK": 4096 if norm else 1}
-    args = {**POINTERS, **SCALARS, **{key: Constexpr(value) for key, value in constexprs.items()}}
-    kernel = compile_for_hopper(_gemv_kernel, args, num_warps=4)
+    return {**POINTERS, **SCALARS, **{key: Constexpr(value) for key, value in constexprs.items()}}
+
+
+def _engine_plan(epilogue, norm: bool):
+    """The plan the engine launches on the H200 (132 SMs) for the 8B layer that uses this variant."""
+    n = {ROPE: 6144, SILU: 28672}.get(epilogue, 4096)
+    return gemv_plan(n, 4096, 128, 132, head_dim=128 if epilogue == ROPE else None, norm=norm)
+
+
+@pytest.mark.parametrize(("name", "epilogue", "norm", "perm"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_gemv_variant_compiles_for_hopper(name, epilogue, norm, perm):
+    plan = _engine_plan(epilogue, norm)
+    kernel = compile_for_hopper(_gemv_kernel, _gemv_args(name, epilogue, norm, perm, plan), plan.num_warps)
     assert kernel.spilled_bytes == 0, f"{name}: {kernel.registers} registers, {kernel.spilled_bytes} B spilled"
     assert 0 < kernel.registers <= 255
+
+
+def test_gemv_main_loop_stays_within_its_instruction_budget():
+    """At the H200's bandwidth an SM must retire ~28 thread-instructions per packed int4 word to keep up
+    (BENCHMARKS.md, issue 15, session 11): the large-matrix plan's K loop took 22 a word. A change that adds
+    per-word work shows here, before any device time."""
+    plan = gemv_plan(14336, 4096, 128, 132)
+    compiled = compile_source(_gemv_kernel, _gemv_args("plain", STORE, False, False, plan), plan.num_warps,
+                              num_stages=1)
+    loop = main_loop(disassemble(compiled.asm["cubin"]))
+    words = plan.block_k // 8 * plan.block_n // (32 * plan.num_warps)  # packed words a thread takes per K step
+    assert len(loop) / words <= 24, f"{len(loop)} instructions for {words} words a thread ({plan})"
+    assert resource_usage(compiled.asm["cubin"]).spilled_bytes == 0, plan
 
 
 PLANES_VARIANTS = [  # (activation dtype, columns per program, split-K summed in the launch, act-order)
