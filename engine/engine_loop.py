@@ -5,7 +5,7 @@ connection (and the UI) for the length of a step. Everything else talks to the t
 typed commands (``AddRequest``, ``AbortRequest``, ``RefreshSnapshot``, ``Stop``) guarded by a condition variable;
 the thread sleeps on the condition when there is nothing to do, so an idle server burns no CPU. After each step it
 publishes a frozen ``EngineSnapshot`` (engine/snapshot.py): the only thing other threads read. Outputs go back to
-each request's ``OutputChannel`` (engine/streams.py) with ``call_soon_threadsafe``.
+each request's ``OutputChannel`` (engine/streams.py), one ``call_soon_threadsafe`` per step and event loop.
 
 The thread warms its engine up (engine/warmup.py) before looping; the constructor waits for that, so a model
 serves only once its first steps are warm, and a failed warm-up raises there.
@@ -25,7 +25,7 @@ from engine.config import EngineArgs
 from engine.errors import EngineStepError
 from engine.request import RequestOutput, SamplingParams
 from engine.snapshot import EngineSnapshot, MemorySnapshot
-from engine.streams import OutputChannel
+from engine.streams import OutputChannel, post_outputs
 
 log = logging.getLogger("pagoda.async_engine")
 
@@ -256,14 +256,20 @@ class EngineLoop:
             return []
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Post the step's outputs, one hand-over per consumer event loop; a closed loop's requests are aborted."""
+        by_loop: dict[object, list[tuple[OutputChannel, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            if not stream.post(stream.put, output) and not output.finished:
-                self._abort(output.request_id)
+            by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, handover in by_loop.items():
+            if not post_outputs(loop, handover):
+                for _, output in handover:
+                    if not output.finished:
+                        self._abort(output.request_id)
 
     def _shutdown(self) -> None:
         self._fail_all()

@@ -220,3 +220,23 @@ def test_health_version_and_metrics(server, model_id):
                  "vllm:e2e_request_latency_seconds_bucket"):
         assert f'{name}{{' in metrics or f"{name}_total{{" in metrics, name
     assert f'model_name="{model_id}"' in metrics
+
+
+@pytest.mark.parametrize(("finish", "stop"), [(None, None), ("stop", None), ("stop", 13), ("stop", "END"),
+                                              ("length", None)])
+def test_streamed_chunks_built_from_dicts_are_what_the_models_dump(finish, stop):
+    """The streaming hot path builds a plain token's choice as a dict (engine/serving/protocol.py): the wire
+    format must be the pydantic models' own dump, field for field."""
+    from engine.serving import protocol as p
+
+    text = 'h\u00e9llo "x"\n'
+    usage = p.UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    chat = p.ChatChunkChoice(index=2, delta=p.DeltaMessage(content=text), finish_reason=finish, stop_reason=stop)
+    completion = p.CompletionChoice(index=1, text=text, finish_reason=finish, stop_reason=stop)
+    assert p.content_choice(2, text, finish, stop) == chat.model_dump()
+    assert p.text_choice(1, text, finish, stop) == completion.model_dump()
+    envelope = p.ChatCompletionChunk(id="c", created=1, model="m", choices=[], system_fingerprint="f").model_dump()
+    whole = p.ChatCompletionChunk(id="c", created=1, model="m", choices=[chat, chat], usage=usage,
+                                  system_fingerprint="f").model_dump()
+    assert p.chunk_of(envelope, [p.content_choice(2, text, finish, stop), chat], usage) == whole
+    assert list(p.chunk_of(envelope, [chat], None)) == list(whole)  # keys in the model's order

@@ -390,9 +390,11 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-        def chunk(choices: list[p.ChatChunkChoice], usage: p.UsageInfo | None = None) -> dict:
-            return p.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage,
+        envelope = p.ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                          system_fingerprint=fingerprint).model_dump()
+
+        def chunk(choices: list[p.ChatChunkChoice | dict], usage: p.UsageInfo | None = None) -> dict:
+            return p.chunk_of(envelope, choices, usage)
 
         yield chunk([p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
@@ -410,10 +412,11 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
                     continue
                 if not d.text and d.finish_reason is None and d.logprobs is None:
                     continue
-                yield chunk([p.ChatChunkChoice(
-                    index=d.index, delta=p.DeltaMessage(content=d.text),
-                    logprobs=chat_logprobs(d, req.top_logprobs or 0, token_text),
-                    finish_reason=d.finish_reason, stop_reason=d.stop_reason)], usage)
+                logprobs = chat_logprobs(d, req.top_logprobs or 0, token_text)
+                yield chunk([p.content_choice(d.index, d.text, d.finish_reason, d.stop_reason) if logprobs is None
+                             else p.ChatChunkChoice(index=d.index, delta=p.DeltaMessage(content=d.text),
+                                                    logprobs=logprobs, finish_reason=d.finish_reason,
+                                                    stop_reason=d.stop_reason)], usage)
         if include_usage:
             yield chunk([], usage_of([prompt_len], [last]))
 
@@ -482,9 +485,11 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
         finals: list[RequestOutput | None] = [None] * len(streams)
         offsets: dict[int, int] = {}
 
-        def chunk(choices: list[p.CompletionChoice], usage: p.UsageInfo | None = None) -> dict:
-            return p.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                        usage=usage, system_fingerprint=fingerprint).model_dump()
+        envelope = p.CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=None,
+                                        system_fingerprint=fingerprint).model_dump()
+
+        def chunk(choices: list[p.CompletionChoice | dict], usage: p.UsageInfo | None = None) -> dict:
+            return p.chunk_of(envelope, choices, usage)
 
         if req.echo:
             yield chunk([p.CompletionChoice(index=i * req.n + j, text=echoes[i], finish_reason=None)
@@ -497,8 +502,9 @@ def build_router(engine: AsyncEngine, fingerprint: str) -> APIRouter:
                     continue
                 logprobs = completion_logprobs(d, req.logprobs or 0, token_text, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in (logprobs.tokens if logprobs else []))
-                yield chunk([p.CompletionChoice(index=index, text=d.text, logprobs=logprobs,
-                                                finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                yield chunk([p.text_choice(index, d.text, d.finish_reason, d.stop_reason) if logprobs is None
+                             else p.CompletionChoice(index=index, text=d.text, logprobs=logprobs,
+                                                     finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
         if include_usage:
             yield chunk([], usage_of(lens, finals))
 

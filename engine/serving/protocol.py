@@ -289,6 +289,27 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
 
 
+def chunk_of(envelope: dict, choices: list[BaseModel | dict], usage: UsageInfo | None) -> dict:
+    """A streamed chunk as its model would dump it: ``envelope`` is the dumped chunk model without choices (its id,
+    object, created, model and fingerprint, dumped once a response), choices are models or dicts from
+    ``content_choice`` / ``text_choice``. Why: building and dumping the pydantic models for every token cost
+    ~20 us of the event loop's Python a token (BENCHMARKS.md, "Serving path, session 11")."""
+    return {**envelope, "choices": [c if isinstance(c, dict) else c.model_dump() for c in choices],
+            "usage": usage.model_dump() if usage is not None else None}
+
+
+def content_choice(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> dict:
+    """``ChatChunkChoice(index, delta=DeltaMessage(content=text), ...).model_dump()`` of a choice without logprobs."""
+    return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def text_choice(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> dict:
+    """``CompletionChoice(index, text, ...).model_dump()`` of a choice without logprobs."""
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
