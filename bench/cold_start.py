@@ -95,7 +95,7 @@ def bench_server(run: BenchRun, home: Path) -> None:
     model_dir = model_for(args, "llama2-7b", "awq")
     flags = engine_cli_flags(engine_kwargs(args))
     for start in ("empty compile cache", "warm compile cache"):
-        with running_server(server_command(model_dir, free_port(), flags), args.server_timeout) as (url, ready):
+        with running_server(server_command(model_dir, free_port(), flags), args.server_timeout) as (url, ready, _):
             run.add(info(f"start-up to /health 200, {start}", ready, "s"))
             server_workload(run, url, f"7B AWQ, {start}", vocab_of(model_dir))
 

@@ -10,6 +10,8 @@ Arrivals are a Poisson process of ``--request-rate`` per second (``inf``: all at
 Per request: TTFT = first chunk with text; ITL = gaps between later text chunks (a chunk may carry several
 tokens when the client lags, as in vLLM); TPOT = (E2E - TTFT) / (output tokens - 1); output tokens from the
 final usage chunk, checked against the requested length (a mismatch counts as a failed request).
+The server's CPU per generated token, by thread (its event loop, the rest), is reported too: unlike tok/s it holds
+on a busy machine, so serving-path changes compare on the CPU machine (``--shape tiny --device cpu``).
 Run on the GPU machine: ``python3 bench/serving.py [--out bench/results/serving.json]``.
 """
 
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -106,8 +109,8 @@ def server_command(model_dir: Path, port: int, engine_flags: list[str]) -> list[
 
 
 @contextmanager
-def running_server(cmd: list[str], timeout: float) -> Iterator[tuple[str, float]]:
-    """Start ``cmd`` (``app.py serve ... --port P``); yield (base URL, seconds to healthy); stop it after."""
+def running_server(cmd: list[str], timeout: float) -> Iterator[tuple[str, float, int]]:
+    """Start ``cmd`` (``app.py serve ... --port P``); yield (base URL, seconds to healthy, pid); stop it after."""
     port = cmd[cmd.index("--port") + 1]
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -122,7 +125,7 @@ def running_server(cmd: list[str], timeout: float) -> Iterator[tuple[str, float]
                 log.seek(0)
                 print(log.read().decode(errors="replace")[-4000:], file=sys.stderr)
                 raise
-            yield url, time.perf_counter() - start
+            yield url, time.perf_counter() - start, proc.pid
         finally:
             stop_process(proc)
 
@@ -211,7 +214,26 @@ def summarize(run: BenchRun, label: str, results: list[RequestResult], seconds: 
             run.add(info(f"{label}: p{q} {name}", percentile(values, q) * 1e3, "ms"))
 
 
-def bench_serving(run: BenchRun, url: str, model_label: str, vocab: int, model: str | None) -> None:
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of process ``pid``, by thread id (the main thread's is the pid)."""
+    return {thread.id: thread.user_time + thread.system_time for thread in psutil.Process(pid).threads()}
+
+
+def server_cpu_rows(label: str, pid: int, before: dict[int, float], tokens: int) -> list[dict]:
+    """The server's CPU per generated token over the timed run: its main thread (the event loop that streams
+    every token) and the rest (the engine loop thread, torch's threads). Unlike tok/s, these hold on a busy
+    machine, so they compare serving-path changes on the CPU machine too (BENCHMARKS.md, serving path)."""
+    after = thread_cpu_seconds(pid)
+    spent = {tid: seconds - before.get(tid, 0.0) for tid, seconds in after.items()}
+    per_token = 1e6 / max(tokens, 1)
+    return [info(f"{label}: server event-loop thread CPU per generated token", spent.pop(pid, 0.0) * per_token,
+                 "us"),
+            info(f"{label}: server's other threads' CPU per generated token", sum(spent.values()) * per_token,
+                 "us")]
+
+
+def bench_serving(run: BenchRun, url: str, model_label: str, vocab: int, model: str | None,
+                  server_pid: int | None = None) -> None:
     args = run.args
     rng = random.Random(args.seed)
     requests = make_requests(length_mix(args, args.num_prompts, rng), vocab, rng)
@@ -219,12 +241,15 @@ def bench_serving(run: BenchRun, url: str, model_label: str, vocab: int, model: 
     warm = make_requests(warm_lengths, vocab, rng)
     if warm:
         asyncio.run(run_load(url, warm, math.inf, None, args.seed, model))  # compile/autotune, fresh prompts
+    cpu_before = thread_cpu_seconds(server_pid) if server_pid else {}
     results, seconds = asyncio.run(run_load(url, requests, args.request_rate, args.max_concurrency, args.seed,
                                             model))
     rate = "inf" if not math.isfinite(args.request_rate) else f"{args.request_rate:g}"
     conc = f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""
     label = f"{model_label}, {len(requests)} {args.dataset} requests at rate {rate}/s{conc}"
     summarize(run, label, results, seconds)
+    if server_pid:
+        run.add(*server_cpu_rows(label, server_pid, cpu_before, sum(r.output_tokens for r in results if r.ok)))
 
 
 def main() -> None:
@@ -245,21 +270,24 @@ def main() -> None:
     parser.add_argument("--prompt-cap", type=int, default=1024)
     parser.add_argument("--output-cap", type=int, default=512)
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="with --url: the server's pid, to report its CPU per generated token")
     args = parser.parse_args()
     run = BenchRun("serving", args)
     with run.section("serving"):
         if args.url:
             wait_healthy(args.url.rstrip("/"), None, args.server_timeout)
             url = args.url.rstrip("/")
-            bench_serving(run, url, "server at --url", args.vocab_size or 32000, args.served_model)
+            bench_serving(run, url, "server at --url", args.vocab_size or 32000, args.served_model,
+                          args.server_pid)
         else:
             model_dir = model_for(args, "llama2-7b", args.quant)
             flags = engine_cli_flags(engine_kwargs(args))
             cmd = server_command(model_dir, free_port(), flags)
-            with running_server(cmd, args.server_timeout) as (url, ready):
+            with running_server(cmd, args.server_timeout) as (url, ready, pid):
                 run.add(info("server start to /health 200", ready, "s"))
                 label = f"{shape_label(args, 'llama2-7b')} {'AWQ' if args.quant == 'awq' else 'fp16'}"
-                bench_serving(run, url, label, vocab_of(model_dir), args.served_model)
+                bench_serving(run, url, label, vocab_of(model_dir), args.served_model, pid)
     run.finish()
 
 

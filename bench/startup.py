@@ -69,7 +69,7 @@ def warm_page_cache(folder: Path) -> int:
 
 def server_start(model_dir: Path, flags: list[str], timeout: float) -> tuple[float, float]:
     """(seconds from Popen to /health 200, seconds of one 1-token completion right after)."""
-    with running_server(server_command(model_dir, free_port(), flags), timeout) as (url, ready):
+    with running_server(server_command(model_dir, free_port(), flags), timeout) as (url, ready, _):
         start = time.perf_counter()
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
         resp = httpx.post(f"{url}/v1/completions", timeout=120, json=body)
