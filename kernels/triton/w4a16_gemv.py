@@ -6,10 +6,12 @@ Hopper). The tensor-core paths (w4a16_planes.py) pad M = 1 to 16 rows and pass t
 memory; here each thread keeps its 16-byte loads of packed words in registers and does the whole dot product
 in packed half2 arithmetic:
 
-- word -> 4 half2 registers of ``1024 + code`` (one shift and one LOP3 each: the nibble ORed into the mantissa
-  of 1024), minus the column's ``1024 + zero`` (exact, small integers), times the x pairs (x[8r + j],
-  x[8r + j + 4]) in fp16 FMAs: 8 weights in ~16 instructions, one fp32 partial per word, scaled per group in
-  fp32. Zero points must be integers (every AWQ/GPTQ checkpoint's are; ``PackedInt4.zeros_are_integers``).
+- word -> 4 half2 registers (four LOP3s and one shift: the nibbles ORed into the mantissa of 1024, the odd
+  ones in place as 1024 + 16 code), taken to ``code - zero`` (exact, small integers) by a subtraction or an FMA
+  by 1/16, times the x pairs (x[8r + j], x[8r + j + 4]) in fp16 FMAs: one fp32 partial per word, scaled per
+  group in fp32. Zero points must be integers (every AWQ/GPTQ checkpoint's are; ``PackedInt4.zeros_are_integers``).
+- A large matrix's tile is 128 columns a warp: each thread holds 4 adjacent columns of a packed row (one 16-byte
+  load), so each row's x pairs serve 4 words (22 SASS instructions a word, ``bench/gemv_sass.py``).
 - Split-K sized from the SM count; the last program to arrive for a column tile sums the partials and runs the
   epilogue (kernels/triton/split_k.py: no second kernel, no memset, CUDA-graph safe).
 - Activations: x is read as 32-bit words (two fp16 each) and each packed row's four pairs (x[8r + j],
