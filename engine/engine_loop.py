@@ -265,8 +265,8 @@ class EngineLoop:
             if output.finished:
                 del self._streams[output.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, output))
-        for loop, handover in by_loop.items():
-            if not post_outputs(loop, handover):
+        for handover in by_loop.values():
+            if not post_outputs(handover):
                 for _, output in handover:
                     if not output.finished:
                         self._abort(output.request_id)

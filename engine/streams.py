@@ -111,16 +111,13 @@ class OutputChannel:
         return output
 
 
-def post_outputs(loop: asyncio.AbstractEventLoop, handover: list[tuple[OutputChannel, RequestOutput]]) -> bool:
-    """Hand one step's outputs to their channels on ``loop`` with one wake-up (called from the engine thread).
+def post_outputs(handover: list[tuple[OutputChannel, RequestOutput]]) -> bool:
+    """Hand one step's outputs to their channels, all on one event loop, with one wake-up (called from the engine
+    thread).
 
     Why one call: each ``call_soon_threadsafe`` writes to the loop's self-pipe (a system call) and wakes it, so a
     step of 128 requests posted one by one cost 128 of each. False if the loop is closed (nobody listens)."""
-    try:
-        loop.call_soon_threadsafe(_put_each, handover)
-        return True
-    except RuntimeError:
-        return False
+    return handover[0][0].post(_put_each, handover)
 
 
 def _put_each(handover: list[tuple[OutputChannel, RequestOutput]]) -> None:
