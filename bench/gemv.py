@@ -135,6 +135,10 @@ def sweep_plans(k: int, n: int, group: int, sms: int):
             if plan not in seen:
                 seen.add(plan)
                 yield plan
+    if small:  # each program's whole split loaded at once; one split finishes without partials
+        for (block_n, warps), split in itertools.product(((32, 2), (32, 4), (64, 4), (64, 8), (128, 4)), (1, 2, 3)):
+            if n % block_n == 0:
+                yield GemvPlan(block_n, 0, split, warps, one_step=True)
 
 
 def time_fusions() -> None:

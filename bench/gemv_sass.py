@@ -16,36 +16,21 @@ import collections
 import sys
 from pathlib import Path
 
-import torch
-import triton
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hopper_compile import Constexpr, compile_source, disassemble, main_loop, opcode, resource_usage
+from gemv_specialization import gemv_args
+from hopper_compile import compile_source, disassemble, main_loop, opcode, resource_usage
 
-from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel
+from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, GemvPlan, _gemv_kernel, _k_steps
 
 EPILOGUES = {"store": STORE, "residual": RESIDUAL, "silu": SILU, "rope": ROPE}
-F16, F32, I32 = torch.float16, torch.float32, torch.int32
-POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "out_ptr": F16,
-            "part_ptr": F32, "lock_ptr": I32, "norm_ptr": F16, "cos_sin_ptr": F32, "pos_ptr": I32, "slot_ptr": I32,
-            "k_cache_ptr": F16, "v_cache_ptr": F16, "q_norm_ptr": F16, "k_norm_ptr": F16, "bias_ptr": F16}
 
 
-def compile_gemv(args: argparse.Namespace):
+def compile_gemv(args: argparse.Namespace, plan: GemvPlan):
     """The GEMV specialized as the engine launches it for a K x N weight (Triton's CompiledKernel)."""
-    rope = args.epilogue == "rope"
-    constexprs = {"GROUP": args.group, "NORM": args.norm, "EPILOGUE": EPILOGUES[args.epilogue].value,
-                  "HAS_PERM": False, "USE_ASM": True, "USE_PDL": True, "Q_SIZE": 4096 if rope else 0,
-                  "KV_SIZE": 1024 if rope else 0, "HEAD_DIM": 128 if rope else 1, "QK_NORM": False,
-                  "HAS_BIAS": False, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k,
-                  "SPLITS": triton.next_power_of_2(args.splits),
-                  "NORM_BLOCK": triton.next_power_of_2(args.k) if args.norm else 1}
-    scalars = {"N": args.n, "K": args.k, "k_per_split": 1024, "splits": args.splits, "lock_rest": 1000, "eps": 1e-5,
-               "qk_eps": 1e-6}
-    values = {**POINTERS, **scalars, **{name: Constexpr(value) for name, value in constexprs.items()}}
+    values = gemv_args(args.k, args.n, args.group, plan, epilogue=EPILOGUES[args.epilogue], norm=args.norm)
     return compile_source(_gemv_kernel, values, num_warps=args.warps, num_stages=1)
 
 
@@ -60,12 +45,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=14336)
     parser.add_argument("--norm", action="store_true", help="the RMSNorm prologue")
     parser.add_argument("--epilogue", choices=sorted(EPILOGUES), default="store")
+    parser.add_argument("--one-step", action="store_true", help="each split in one masked K step")
     parser.add_argument("--sass", help="also write the whole disassembly here")
     args = parser.parse_args()
-    compiled = compile_gemv(args)
+    plan = GemvPlan(args.block_n, args.block_k, args.splits, args.warps, one_step=args.one_step)
+    compiled = compile_gemv(args, plan)
     instructions = disassemble(compiled.asm["cubin"])
-    loop = main_loop(instructions)
-    words = args.block_k // 8 * args.block_n // (32 * args.warps)  # packed words a thread handles per K step
+    loop = main_loop(instructions) if not args.one_step else [text for _, text in instructions]
+    block_k = _k_steps(args.k, args.group, plan)[2]
+    words = block_k // 8 * args.block_n // (32 * args.warps)  # packed words a thread handles per K step
     usage = resource_usage(compiled.asm["cubin"])
     print(f"registers {usage.registers}, spilled {usage.spilled_bytes} B; main loop {len(loop)} instructions for "
           f"{words} words a thread: {len(loop) / words:.1f} a word")

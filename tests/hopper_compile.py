@@ -35,7 +35,7 @@ class Constexpr:
 @dataclass(frozen=True)
 class HopperKernel:
     registers: int  # per thread
-    spilled_bytes: int  # local memory per thread (spills)
+    spilled_bytes: int  # stack frame + local memory per thread (spills)
     shared_bytes: int  # what the launch asks for (the pipeline's buffers and layout conversions)
     register_operand_mmas: int = 0  # wgmma instructions whose A operand is in registers (not in shared memory)
 
@@ -95,7 +95,8 @@ def resource_usage(cubin: bytes) -> HopperKernel:
         match = re.search(rf"\b{name}:(\d+)", report)
         return int(match.group(1)) if match else 0
 
-    return HopperKernel(field("REG"), field("LOCAL"), field("SHARED"))
+    # spills land in the stack frame (STACK); LOCAL counts only declared local arrays, and stays 0 for spills
+    return HopperKernel(field("REG"), field("STACK") + field("LOCAL"), field("SHARED"))
 
 
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")

@@ -554,3 +554,20 @@ def test_w4a16_gemv_variants(kernel, scale_after, serial):
 )
 def test_w4a16_gemv(fusion, group_size, act_order, bias):
     check_w4a16_gemv("cpu", 256, 128 if fusion.startswith("rope") else 64, group_size, act_order, fusion, bias=bias)
+
+
+@pytest.mark.parametrize(
+    "fusion,split,act_order,bias",
+    [("plain", 1, False, False), ("plain", 3, True, False), ("residual", 1, False, True), ("norm", 2, False, False),
+     ("rope", 1, False, True), ("rope+qk-norm", 1, False, False), ("norm+silu", 1, False, False),
+     ("silu", 2, False, False)],
+)
+def test_w4a16_gemv_one_step(fusion, split, act_order, bias):
+    """Plans that load each program's whole split in one step: K = 288 is nine 32-row pieces, so the steps
+    (512, 128 or 256 rows) are masked past their split, and three splits are uneven; at one split the tile
+    finishes without partials (STORE / RESIDUAL) or with a barrier instead of the ticket (ROPE)."""
+    from kernels.triton.w4a16_gemv import GemvPlan
+
+    rope = fusion.startswith("rope")
+    plan = GemvPlan(block_n=32 if rope else 16, block_k=0, split=split, num_warps=1, one_step=True)
+    check_w4a16_gemv("cpu", 288, 128 if rope else 64, 32, act_order, fusion, plan=plan, bias=bias)

@@ -9,6 +9,14 @@ import os
 import torch
 import triton
 
+try:  # programmatic dependent launch (Triton >= 3.3): re-exported for the kernels that use it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover (older Triton: kernels launch without PDL)
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
+
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (CPU tests): no autotuning, small fixed tiles."""
@@ -25,6 +33,14 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper or newer (and a real GPU, not the interpreter): a launch may
+    then start while the previous kernel finishes, and waits (``gdc_wait``) only where it reads that kernel's
+    output, which hides the ~1.3 us dependency gap between kernels inside a CUDA graph."""
+    return (HAS_GDC and device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def autotune_disk_cache() -> dict:

@@ -13,7 +13,9 @@ whole tiles, at most one per split program; programs past the last partition ret
 
 Why no reduce kernel: inside a graph each launch costs ~1.3 us of dependency gap on Hopper. The last of a
 (sequence, KV head)'s programs to store its partial (split_k.py's arrival counter, kept on the KV cache
-tensor) combines the partials of every live partition and writes the output.
+tensor) combines the partials of every live partition and writes the output. For the same reason the kernel
+takes programmatic dependent launch where the GPU has it: it is launched while the qkv kernel finishes, reads
+its sequence's length, and waits for q and the KV cache only then.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import cdiv, interpreting, next_pow2, num_sms
+from kernels.triton.common import (
+    cdiv,
+    gdc_launch_dependents,
+    gdc_wait,
+    interpreting,
+    next_pow2,
+    num_sms,
+    pdl_supported,
+)
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm
 
 LOG2E = 1.4426950408889634
@@ -140,6 +150,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     S_CHUNK: tl.constexpr,
     P_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # grid = (sequences, KV heads, split programs); partials [pairs * num_splits * GROUP_P2, BLOCK_D] and their
     # (max, sum) [.., 2], one row per (sequence, KV head, partition, query head)
@@ -147,8 +158,11 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
-    ctx = tl.load(context_lens + seq)
+    ctx = tl.load(context_lens + seq)  # a step input: written before the previous kernel ran
     first, size, live = _partition(ctx, window, num_splits, BLOCK_N)
+    if USE_PDL:  # q and the KV cache come from the kernel launched before this one
+        gdc_wait()
+        gdc_launch_dependents()
     if split < live:  # programs past the last partition have nothing to do
         start = first + split * size
         end = tl.minimum(start + size, ctx)
@@ -252,12 +266,14 @@ def decode_attention(
         lock = lock_buffer(k_cache, pairs, reuse=True, min_tiles=MIN_LOCKS)
     else:
         part_acc = part_ml = lock = out  # unused
+    pdl = pdl_supported(q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, lock, scale * LOG2E,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, S_CHUNK=chunk, **cfg,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, S_CHUNK=chunk, USE_PDL=pdl, **cfg,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -37,14 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Triton >= 3.3)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    _HAS_GDC = True
-except ImportError:  # pragma: no cover (older Triton: launched without PDL)
-    _HAS_GDC = False
-
-from kernels.triton.common import cdiv, interpreting, largest_pow2_divisor, next_pow2, num_sms
+from kernels.triton.common import (
+    cdiv,
+    gdc_launch_dependents,
+    gdc_wait,
+    interpreting,
+    largest_pow2_divisor,
+    next_pow2,
+    num_sms,
+    pdl_supported,
+)
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
 
 STORE: tl.constexpr = tl.constexpr(0)  # epilogues
@@ -139,20 +141,20 @@ def _inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _x_column(x_ptr, norm_ptr, perm_ptr, cols, NORM: tl.constexpr):
-    # x[perm[cols]] in fp16 [R] (act-order); with NORM, times the norm weight
-    src = tl.load(perm_ptr + cols)
-    x = tl.load(x_ptr + src)
+def _x_column(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM: tl.constexpr):
+    # x[perm[cols]] in fp16 [R] (act-order), zero where not row_live; with NORM, times the norm weight
+    src = tl.load(perm_ptr + cols, mask=row_live, other=0)
+    x = tl.load(x_ptr + src, mask=row_live, other=0.0)
     if NORM:
-        x = tl.load(norm_ptr + src) * x
+        x = tl.load(norm_ptr + src, mask=row_live, other=0.0) * x
     return x
 
 
 @triton.jit
-def _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, NORM: tl.constexpr):
+def _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM: tl.constexpr):
     # half2 (x[perm[cols]], x[perm[cols + 4]]) as int32 [R]: act-order reads x element by element
-    lo = _x_column(x_ptr, norm_ptr, perm_ptr, cols, NORM)
-    hi = _x_column(x_ptr, norm_ptr, perm_ptr, cols + 4, NORM)
+    lo = _x_column(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM)
+    hi = _x_column(x_ptr, norm_ptr, perm_ptr, cols + 4, row_live, NORM)
     return _half_bits(lo) | (_half_bits(hi) << 16)
 
 
@@ -179,32 +181,51 @@ def _pair(lo_word, hi_word, HIGH: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_word_pairs(xw_ptr, nw_ptr, rows, NORM: tl.constexpr, USE_ASM: tl.constexpr):
+def _x_word_pairs(xw_ptr, nw_ptr, rows, row_live, NORM: tl.constexpr, USE_ASM: tl.constexpr):
     # the four half2 pairs (x[8r + j], x[8r + j + 4]), j = 0..3, of packed rows r [R] from x's 32-bit words
     # [K / 2] (word 4r + i holds x[8r + 2i], x[8r + 2i + 1]); with NORM, x times the norm weight in half2.
-    # Four loads of [R] words: one [R, 4] load split into columns went through shared memory (a layout change)
-    w0 = tl.load(xw_ptr + rows * 4)
-    w1 = tl.load(xw_ptr + rows * 4 + 1)
-    w2 = tl.load(xw_ptr + rows * 4 + 2)
-    w3 = tl.load(xw_ptr + rows * 4 + 3)
+    # Rows not ``row_live`` read as zeros. Four loads of [R] words: one [R, 4] load split into columns went
+    # through shared memory (a layout change)
+    w0 = tl.load(xw_ptr + rows * 4, mask=row_live, other=0)
+    w1 = tl.load(xw_ptr + rows * 4 + 1, mask=row_live, other=0)
+    w2 = tl.load(xw_ptr + rows * 4 + 2, mask=row_live, other=0)
+    w3 = tl.load(xw_ptr + rows * 4 + 3, mask=row_live, other=0)
     if NORM:
-        w0 = _hmul2(w0, tl.load(nw_ptr + rows * 4), USE_ASM)
-        w1 = _hmul2(w1, tl.load(nw_ptr + rows * 4 + 1), USE_ASM)
-        w2 = _hmul2(w2, tl.load(nw_ptr + rows * 4 + 2), USE_ASM)
-        w3 = _hmul2(w3, tl.load(nw_ptr + rows * 4 + 3), USE_ASM)
+        w0 = _hmul2(w0, tl.load(nw_ptr + rows * 4, mask=row_live, other=0), USE_ASM)
+        w1 = _hmul2(w1, tl.load(nw_ptr + rows * 4 + 1, mask=row_live, other=0), USE_ASM)
+        w2 = _hmul2(w2, tl.load(nw_ptr + rows * 4 + 2, mask=row_live, other=0), USE_ASM)
+        w3 = _hmul2(w3, tl.load(nw_ptr + rows * 4 + 3, mask=row_live, other=0), USE_ASM)
     return (_pair(w0, w2, False, USE_ASM), _pair(w0, w2, True, USE_ASM), _pair(w1, w3, False, USE_ASM),
             _pair(w1, w3, True, USE_ASM))
 
 
 @triton.jit
-def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr):
+def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr,
+                CHUNK: tl.constexpr):
     # sum over splits of the fp32 partials [splits, N] at cols -> fp16-rounded fp32 [BN], plus the bias where the
-    # linear has one (rounded again: the unfused Linear adds it to the fp16 product in fp16); all partials are
-    # loaded at once (SPLITS >= splits): a loop over splits put one L2 round trip per split on the critical path
-    sk = tl.arange(0, SPLITS)
-    tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
-                   other=0.0, cache_modifier=".cg")  # [SPLITS, BN]
-    total = tl.sum(tile, axis=0).to(tl.float16).to(tl.float32)
+    # linear has one (rounded again: the unfused Linear adds it to the fp16 product in fp16). CHUNK splits'
+    # partials are loaded at once: one load per split put an L2 round trip per split on the critical path; the
+    # rotary epilogue sums two tiles (columns and their partners) and takes 16 at a time, since 2 x 32 at once
+    # set the register count of the whole kernel (8B qkv 12.3 -> 9.8 us with chunks; o, one tile, was 5% slower)
+    sk = tl.arange(0, CHUNK)
+    if CHUNK == SPLITS:
+        tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
+                       other=0.0, cache_modifier=".cg")  # [SPLITS, BN]
+        total = tl.sum(tile, axis=0)
+    else:
+        total = tl.zeros(cols.shape, tl.float32)
+        for s0 in range(0, splits, CHUNK):
+            live = ((s0 + sk) < splits)[:, None] & mask[None, :]
+            tile = tl.load(part_ptr + (s0 + sk)[:, None] * N + cols[None, :], mask=live, other=0.0,
+                           cache_modifier=".cg")  # [CHUNK, BN]
+            total += tl.sum(tile, axis=0)
+    return _rounded(total, cols, mask, bias_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _rounded(y, cols, mask, bias_ptr, HAS_BIAS: tl.constexpr):
+    # the product y [BN] (fp32) as the unfused op returns it: rounded to fp16, plus the bias rounded again
+    total = y.to(tl.float16).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         total = (total + bias).to(tl.float16).to(tl.float32)
@@ -232,8 +253,9 @@ def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_pt
     d = rn % HEAD_DIM
     first = d < HALF
     partner = tl.where(first, rn + HALF, rn - HALF)
-    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS)
-    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS)
+    CHUNK: tl.constexpr = 16 if SPLITS > 16 else SPLITS  # noqa: FURB136 (constexpr arithmetic in @jit)
+    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK)
+    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK)
     if QK_NORM:  # a tile holds whole heads, and a column's rotary partner is in its head
         d_partner = partner % HEAD_DIM
         in_q = rn < Q_SIZE
@@ -259,12 +281,15 @@ def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_pt
 
 @triton.jit
 def _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0, k_end, rows, rn, n_mask, N, GROUP: tl.constexpr,
-                 ROW_GROUPS: tl.constexpr):
+                 ROW_GROUPS: tl.constexpr, MASK_ROWS: tl.constexpr):
     # the packed words [R, BN] of the K step at k0 (qw_ptrs point at them), its scales (fp32) and the half2 zero
     # terms (1024 + zero, -(64 + zero)) as int32, [R, BN] when the step spans several groups, else [1, BN].
     # A step lies wholly inside or wholly past its split (k_per_split is a whole number of steps), so one
-    # scalar masks the load of the step after the last
+    # scalar masks the load of the step after the last; with MASK_ROWS (a split's whole K in one step wider
+    # than it) each row is masked to the split's end
     live = (n_mask & ((k0 + rn * 0) < k_end))[None, :]  # (a tensor mask: the interpreter mistypes scalar-bool & tensor)
+    if MASK_ROWS:
+        live = live & (rows * 8 < k_end)[:, None]
     qw = tl.load(qw_ptrs, mask=live, other=0, eviction_policy="evict_first")
     if ROW_GROUPS:
         g = (rows * 8 // GROUP)[:, None] * N + rn[None, :]  # [R, BN]
@@ -278,19 +303,24 @@ def _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0, k_end, rows, rn, n_mask, N,
 
 
 @triton.jit
-def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, zm, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
-              USE_ASM: tl.constexpr):
-    # the K step at k0: sum over its packed rows r of x[8r .. 8r + 7] . (codes - zero) * scale, fp32 [R, BN]
+def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
+              USE_ASM: tl.constexpr, MASK_ROWS: tl.constexpr):
+    # the K step at k0: sum over its packed rows r of x[8r .. 8r + 7] . (codes - zero) * scale, fp32 [R, BN];
+    # with MASK_ROWS, rows past k_end read x as zeros (their weights and scales are masked to zero too)
+    if MASK_ROWS:
+        row_live = k0 + rr * 8 < k_end
+    else:  # a constant mask: folded away
+        row_live = tl.full(rr.shape, 1, tl.int1)
     if HAS_PERM:
         cols = k0 + rr * 8
-        x04 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, NORM)
-        x15 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 1, NORM)
-        x26 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 2, NORM)
-        x37 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 3, NORM)
+        x04 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM)
+        x15 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 1, row_live, NORM)
+        x26 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 2, row_live, NORM)
+        x37 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 3, row_live, NORM)
     else:
         x04, x15, x26, x37 = _x_word_pairs(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
                                            norm_ptr.to(tl.pointer_type(tl.int32), bitcast=True), k0 // 8 + rr,
-                                           NORM, USE_ASM)
+                                           row_live, NORM, USE_ASM)
     return _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, USE_ASM) * s
 
 
@@ -335,12 +365,14 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    ONE_STEP: tl.constexpr,
 ):
-    # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr
+    # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. ONE_STEP: each
+    # program's split is one K step of BLOCK_K >= k_per_split rows (masked past it), all loaded at once
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8  # packed rows per K step
-    ROW_GROUPS: tl.constexpr = BLOCK_K > GROUP  # a K step spans several groups: scales per packed row
+    ROW_GROUPS: tl.constexpr = (BLOCK_K > GROUP) or ONE_STEP  # a step spans several groups: scales per packed row
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rr = tl.arange(0, R)
@@ -351,21 +383,63 @@ def _gemv_kernel(
     # loads the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
     qw, s, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn, n_mask, N,
-                                 GROUP, ROW_GROUPS)
+                                 GROUP, ROW_GROUPS, ONE_STEP)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    acc = tl.zeros([R, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        qw_ptrs += R * N
-        qw_next, s_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
-                                                         (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
-                                                         ROW_GROUPS)  # masked past the split's end
-        acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM)
-        qw, s, zz, zm = qw_next, s_next, zz_next, zm_next
+    if ONE_STEP:
+        acc = _step_dot(x_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM,
+                        True)
+    else:
+        acc = tl.zeros([R, BLOCK_N], tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            qw_ptrs += R * N
+            qw_next, s_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
+                                                             (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
+                                                             ROW_GROUPS, False)  # masked past the split's end
+            acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM,
+                             False)
+            qw, s, zz, zm = qw_next, s_next, zz_next, zm_next
     y = tl.sum(acc, axis=0)  # [BLOCK_N]
     if NORM:  # rmsnorm(x) . W = (weight * x) . W / rms(x): the row's scalar comes last
         y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
+    if SPLITS == 1 and EPILOGUE != SILU:  # the tile's whole sum is here: no partials, no ticket
+        _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                            v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, EPILOGUE, Q_SIZE, KV_SIZE,
+                            HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS)
+    else:
+        _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest, out_ptr, cos_sin_ptr,
+                        pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr,
+                        EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
+
+
+@triton.jit
+def _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                        q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr,
+                        KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_BIAS: tl.constexpr):
+    # one split: the program holds its tile's whole product y [BN]. STORE / RESIDUAL finish from registers;
+    # ROPE needs each column's rotary partner, held by another thread of the program, so the tile goes through
+    # the partial buffer and a barrier (one L2 round trip, no ticket)
+    if EPILOGUE == ROPE:
+        tl.store(part_ptr + rn, y, mask=n_mask)
+        tl.debug_barrier()  # every thread's columns are stored before any partner is read
+        _rope_epilogue(part_ptr, rn, n_mask, 1, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                       v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
+                       QK_NORM, BLOCK_N, HAS_BIAS)
+    else:
+        total = _rounded(y, rn, n_mask, bias_ptr, HAS_BIAS)
+        if EPILOGUE == RESIDUAL:
+            total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest, out_ptr, cos_sin_ptr,
+                    pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr,
+                    EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    SPLITS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes
     tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
     num_tiles = tl.num_programs(0)
     if EPILOGUE == SILU:
@@ -379,8 +453,8 @@ def _gemv_kernel(
             inter = N // 2
             gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
             live = gate_cols < inter
-            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS)
-            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS)
+            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS)
+            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS)
             act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
             tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
         elif EPILOGUE == ROPE:
@@ -388,7 +462,7 @@ def _gemv_kernel(
                            v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS,
                            QK_NORM, BLOCK_N, HAS_BIAS)
         else:
-            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS)
+            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS)
             if EPILOGUE == RESIDUAL:
                 total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
@@ -397,15 +471,19 @@ def _gemv_kernel(
 
 @dataclass(frozen=True)
 class GemvPlan:
-    """Tile and split-K of one GEMV launch."""
+    """Tile and split-K of one GEMV launch. ``one_step``: each program loads its whole split at once (one K
+    step of the next power of two rows, masked; ``block_k`` unused), so a small matrix is one HBM round trip
+    per program and, at one split, finishes without partials."""
 
     block_n: int
     block_k: int
     split: int
     num_warps: int
+    one_step: bool = False
 
 
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
+SMALL_MATRIX_WARPS = 8  # a small matrix's column tile: all of K in one program, the rows over 8 warps
 MAX_SPLIT = 32  # the last program of a tile sums one partial per split: 64 put ~2 us on 4096x4096's tail
 
 
@@ -417,14 +495,13 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     every packed row (one 16-byte load), so a row's four x pairs serve four words (22 SASS instructions a
     word; 32-column tiles, a column a thread, took 29 and a shared-memory pass for the scales). K steps of 64
     rows keep it at 96 registers; the split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT``. With an RMSNorm prologue every
-    program reduces the whole row first, so each keeps at least two K steps. A small matrix is one HBM round
-    trip and the split-K sum, so each of its programs loads a single K step."""
+    program reduces the whole row first, so each keeps at least two K steps. A small matrix is latency, not
+    bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
+    and sums it in the program, with no partials or ticket."""
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 32, max(1, min(2, k // 32)), 1)
     if k * n <= SMALL_MATRIX:
-        block_n = max(32, head_dim or 1)
-        block_k = largest_pow2_divisor(k, 64)
-        return GemvPlan(block_n, block_k, min(k // block_k, 64), max(1, block_n // 32))
+        return GemvPlan(max(32, head_dim or 1), 0, 1, SMALL_MATRIX_WARPS, one_step=True)
     block_k = largest_pow2_divisor(k, 64)  # the K loop needs no row mask
     steps = k // block_k
     block_n = max(128, head_dim or 1)  # a ROPE launch's tiles hold whole heads
@@ -434,10 +511,16 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     return GemvPlan(block_n, block_k, split, warps)
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs Hopper or newer (and a real GPU, not the interpreter)."""
-    return (_HAS_GDC and device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+def _k_steps(k: int, group_size: int, plan: GemvPlan) -> tuple[int, int, int]:
+    """(rows per split, splits, K step) of a plan on a K-row weight. A one-step plan cuts K into ``plan.split``
+    parts of whole 32-row pieces, each one masked step; otherwise the splits are whole numbers of K steps."""
+    if plan.one_step:
+        k_per_split = cdiv(k // 32, max(1, plan.split)) * 32
+        return k_per_split, cdiv(k, k_per_split), next_pow2(k_per_split)
+    block_k = largest_pow2_divisor(k, plan.block_k)
+    if block_k % group_size and group_size % block_k:
+        raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
+    return (*split_k(k, block_k, plan.split), block_k)
 
 
 def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
@@ -482,10 +565,7 @@ def w4a16_gemv(
     x = x.contiguous()
     head_dim = rope["head_dim"] if rope is not None else None
     plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim, norm=norm_weight is not None)
-    block_k = largest_pow2_divisor(k, plan.block_k)
-    if block_k % group_size and group_size % block_k:
-        raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
-    k_per_split, splits = split_k(k, block_k, plan.split)
+    k_per_split, splits, block_k = _k_steps(k, group_size, plan)
     tiles = cdiv(n, plan.block_n)
     if plan.block_n & (plan.block_n - 1):
         raise ValueError(f"w4a16_gemv: column tile {plan.block_n} is not a power of two")
@@ -518,7 +598,7 @@ def w4a16_gemv(
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
         HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None,
         HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
-        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, num_warps=plan.num_warps,
+        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, ONE_STEP=plan.one_step, num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out
