@@ -18,8 +18,9 @@ in packed half2 arithmetic:
   x[8r + j + 4]) are two bit operations on them. Gathering the pairs element by element cost ~60 of the ~86
   instructions a packed word took (SASS of the main loop), so the loop was issue-bound, not memory-bound.
 - Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own. 1 / rms is a
-  scalar of the row: the loop multiplies the words of x and the norm weight in half2 and the partial sums take
-  1 / rms after the loop, so the row's reduction (every program does it) is off the loop's critical path.
+  scalar of the row: the loop multiplies the words of x and the norm weight in half2, and the program that
+  finishes a column tile (the last split to arrive, or the only one) reduces the row once and scales the
+  tile's sum, so the row is read once per tile, not once per split, and never inside the loop.
 - Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down), ``SILU``
   (gate and up tiles share one counter; the last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the
   q and k columns, k and v written to their KV-cache slot, q stored; a tile holds whole heads, so each rotary
@@ -201,8 +202,9 @@ def _x_word_pairs(xw_ptr, nw_ptr, rows, row_live, NORM: tl.constexpr, USE_ASM: t
 
 @triton.jit
 def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr,
-                CHUNK: tl.constexpr):
-    # sum over splits of the fp32 partials [splits, N] at cols -> fp16-rounded fp32 [BN], plus the bias where the
+                CHUNK: tl.constexpr, scale):
+    # sum over splits of the fp32 partials [splits, N] at cols, times scale (the RMSNorm prologue's 1 / rms, or
+    # 1) -> fp16-rounded fp32 [BN], plus the bias where the
     # linear has one (rounded again: the unfused Linear adds it to the fp16 product in fp16). CHUNK splits'
     # partials are loaded at once: one load per split put an L2 round trip per split on the critical path; the
     # rotary epilogue sums two tiles (columns and their partners) and takes 16 at a time, since 2 x 32 at once
@@ -219,7 +221,7 @@ def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr,
             tile = tl.load(part_ptr + (s0 + sk)[:, None] * N + cols[None, :], mask=live, other=0.0,
                            cache_modifier=".cg")  # [CHUNK, BN]
             total += tl.sum(tile, axis=0)
-    return _rounded(total, cols, mask, bias_ptr, HAS_BIAS)
+    return _rounded(total * scale, cols, mask, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -244,7 +246,7 @@ def _head_norm(t, weight, eps, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, Q_SIZE: tl.constexpr,
+                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE: tl.constexpr,
                    KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot. QK_NORM
@@ -254,8 +256,8 @@ def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_pt
     first = d < HALF
     partner = tl.where(first, rn + HALF, rn - HALF)
     CHUNK: tl.constexpr = 16 if SPLITS > 16 else SPLITS  # noqa: FURB136 (constexpr arithmetic in @jit)
-    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK)
-    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK)
+    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
+    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
     if QK_NORM:  # a tile holds whole heads, and a column's rotary partner is in its head
         d_partner = partner % HEAD_DIM
         in_q = rn < Q_SIZE
@@ -400,17 +402,18 @@ def _gemv_kernel(
             acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM,
                              False)
             qw, s, zz, zm = qw_next, s_next, zz_next, zm_next
-    y = tl.sum(acc, axis=0)  # [BLOCK_N]
-    if NORM:  # rmsnorm(x) . W = (weight * x) . W / rms(x): the row's scalar comes last
-        y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
+    y = tl.sum(acc, axis=0)  # [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
     if SPLITS == 1 and EPILOGUE != SILU:  # the tile's whole sum is here: no partials, no ticket
+        if NORM:
+            y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
         _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
                             v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, EPILOGUE, Q_SIZE, KV_SIZE,
                             HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS)
     else:
         _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest, out_ptr, cos_sin_ptr,
                         pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr,
-                        EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
+                        x_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM,
+                        NORM_BLOCK)
 
 
 @triton.jit
@@ -425,7 +428,7 @@ def _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_pt
         tl.store(part_ptr + rn, y, mask=n_mask)
         tl.debug_barrier()  # every thread's columns are stored before any partner is read
         _rope_epilogue(part_ptr, rn, n_mask, 1, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                       v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
+                       v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, 1.0, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
                        QK_NORM, BLOCK_N, HAS_BIAS)
     else:
         total = _rounded(y, rn, n_mask, bias_ptr, HAS_BIAS)
@@ -436,10 +439,14 @@ def _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_pt
 
 @triton.jit
 def _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest, out_ptr, cos_sin_ptr,
-                    pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr,
-                    EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    SPLITS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes
+                    pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, x_ptr, K,
+                    eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes.
+    # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x): the
+    # row is read and reduced once per column tile, not by every split (7B qkv: 96 reads of the 8 KB row a
+    # launch instead of 3,072)
     tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
     num_tiles = tl.num_programs(0)
     if EPILOGUE == SILU:
@@ -449,20 +456,24 @@ def _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, 
         counter = pid_n
         arrivals = splits
     if last_to_arrive(lock_ptr, counter, arrivals):
+        if NORM:
+            scale = _inv_rms(x_ptr, K, eps, NORM_BLOCK)
+        else:
+            scale = 1.0
         if EPILOGUE == SILU:
             inter = N // 2
             gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
             live = gate_cols < inter
-            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS)
-            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS)
+            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
+            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
             act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
             tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
         elif EPILOGUE == ROPE:
             _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS,
-                           QK_NORM, BLOCK_N, HAS_BIAS)
+                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE, KV_SIZE, HEAD_DIM,
+                           SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
         else:
-            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS)
+            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
             if EPILOGUE == RESIDUAL:
                 total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
