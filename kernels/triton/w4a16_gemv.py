@@ -204,11 +204,11 @@ def _x_word_pairs(xw_ptr, nw_ptr, rows, row_live, NORM: tl.constexpr, USE_ASM: t
 def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr,
                 CHUNK: tl.constexpr, scale):
     # sum over splits of the fp32 partials [splits, N] at cols, times scale (the RMSNorm prologue's 1 / rms, or
-    # 1) -> fp16-rounded fp32 [BN], plus the bias where the
-    # linear has one (rounded again: the unfused Linear adds it to the fp16 product in fp16). CHUNK splits'
-    # partials are loaded at once: one load per split put an L2 round trip per split on the critical path; the
-    # rotary epilogue sums two tiles (columns and their partners) and takes 16 at a time, since 2 x 32 at once
-    # set the register count of the whole kernel (8B qkv 12.3 -> 9.8 us with chunks; o, one tile, was 5% slower)
+    # 1) -> fp16-rounded fp32 [BN], plus the bias where the linear has one (rounded again: the unfused Linear
+    # adds it to the fp16 product in fp16). CHUNK splits' partials are loaded at once: one load per split put
+    # an L2 round trip per split on the critical path; the rotary epilogue sums two tiles (columns and their
+    # partners) 16 splits at a time, since 2 x 32 at once set the register count of the whole kernel (8B qkv
+    # 12.3 -> 9.8 us with chunks; o, one tile, was 5% slower in chunks)
     sk = tl.arange(0, CHUNK)
     if CHUNK == SPLITS:
         tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
