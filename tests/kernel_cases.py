@@ -559,7 +559,8 @@ def test_w4a16_gemv(fusion, group_size, act_order, bias):
 @pytest.mark.parametrize(
     "fusion,split,act_order,bias",
     [("plain", 1, False, False), ("plain", 3, True, False), ("residual", 1, False, True), ("norm", 2, False, False),
-     ("rope", 1, False, True), ("rope+qk-norm", 1, False, False), ("norm+silu", 1, False, False),
+     ("rope", 1, False, True), ("rope", 2, False, False), ("rope+qk-norm", 1, False, False),
+     ("norm+silu", 1, False, False),
      ("silu", 2, False, False)],
 )
 def test_w4a16_gemv_one_step(fusion, split, act_order, bias):

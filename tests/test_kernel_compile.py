@@ -65,20 +65,24 @@ def test_gemv_variant_compiles_for_hopper(name, epilogue, norm, perm):
     assert 0 < kernel.registers <= 255
 
 
-SMOLLM2_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue): SmolLM2-135M's layer, group 32, head size 64
-    ("qkv", 576, 960, ROPE, True),
-    ("o", 576, 576, RESIDUAL, False),
-    ("gate/up", 576, 3072, SILU, True),
-    ("down", 1536, 576, RESIDUAL, False),
+SMOLLM2_ROPE = {"Q_SIZE": 576, "KV_SIZE": 192, "HEAD_DIM": 64}
+SMALL_LAUNCHES = [  # (name, K, N, group, epilogue, RMSNorm prologue, rotary sizes): matrices <= 4M weights
+    ("smollm2-qkv", 576, 960, 32, ROPE, True, SMOLLM2_ROPE),  # SmolLM2-135M's layer
+    ("smollm2-o", 576, 576, 32, RESIDUAL, False, None),
+    ("smollm2-gate/up", 576, 3072, 32, SILU, True, None),
+    ("smollm2-down", 1536, 576, 32, RESIDUAL, False, None),
+    ("qwen2.5-0.5b-qkv", 896, 1152, 128, ROPE, True, {"Q_SIZE": 896, "KV_SIZE": 128, "HEAD_DIM": 64}),
+    ("llama3.2-1b-o", 2048, 2048, 128, RESIDUAL, False, None),  # exactly 4M weights: the longest one-step K
+    ("head-128-qkv", 1024, 4096, 128, ROPE, True, {"Q_SIZE": 2048, "KV_SIZE": 1024, "HEAD_DIM": 128}),  # 2 splits
 ]
 
 
-@pytest.mark.parametrize(("name", "k", "n", "epilogue", "norm"), SMOLLM2_LAUNCHES, ids=[v[0] for v in SMOLLM2_LAUNCHES])
-def test_small_matrix_plans_compile_without_spills(name, k, n, epilogue, norm):
+@pytest.mark.parametrize(("name", "k", "n", "group", "epilogue", "norm", "rope"), SMALL_LAUNCHES,
+                         ids=[v[0] for v in SMALL_LAUNCHES])
+def test_small_matrix_plans_compile_without_spills(name, k, n, group, epilogue, norm, rope):
     """A small matrix's plan loads each program's whole K at once: the registers that takes must not spill."""
-    plan = gemv_plan(n, k, 32, 132, head_dim=64 if epilogue == ROPE else None, norm=norm)
-    args = gemv_args(k, n, 32, plan, epilogue=epilogue, norm=norm,
-                     rope_sizes={"Q_SIZE": 576, "KV_SIZE": 192, "HEAD_DIM": 64})
+    plan = gemv_plan(n, k, group, 132, head_dim=rope["HEAD_DIM"] if rope else None, norm=norm)
+    args = gemv_args(k, n, group, plan, epilogue=epilogue, norm=norm, rope_sizes=rope)
     kernel = compile_for_hopper(_gemv_kernel, args, plan.num_warps)
     assert kernel.spilled_bytes == 0, f"{name} {plan}: {kernel.registers} registers, {kernel.spilled_bytes} B spilled"
 

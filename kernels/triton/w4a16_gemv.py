@@ -495,6 +495,12 @@ class GemvPlan:
 
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
 SMALL_MATRIX_WARPS = 8  # a small matrix's column tile: all of K in one program, the rows over 8 warps
+ONE_STEP_WORDS = 32  # packed words a thread may hold in a one-step plan: at 32, 97-192 registers, no spills
+
+
+def _one_step_words(k: int, split: int, block_n: int, warps: int) -> int:
+    """Packed words each thread loads in a one-step plan (its split's rows, padded to a power of two)."""
+    return next_pow2(cdiv(k // 32, split) * 32) // 8 * block_n // (32 * warps)
 MAX_SPLIT = 32  # the last program of a tile sums one partial per split: 64 put ~2 us on 4096x4096's tail
 
 
@@ -512,7 +518,11 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 32, max(1, min(2, k // 32)), 1)
     if k * n <= SMALL_MATRIX:
-        return GemvPlan(max(32, head_dim or 1), 0, 1, SMALL_MATRIX_WARPS, one_step=True)
+        block_n = max(32, head_dim or 1)
+        split = 1  # more splits only where one program's K would not fit in registers
+        while _one_step_words(k, split, block_n, SMALL_MATRIX_WARPS) > ONE_STEP_WORDS and split < k // 32:
+            split *= 2
+        return GemvPlan(block_n, 0, split, SMALL_MATRIX_WARPS, one_step=True)
     block_k = largest_pow2_divisor(k, 64)  # the K loop needs no row mask
     steps = k // block_k
     block_n = max(128, head_dim or 1)  # a ROPE launch's tiles hold whole heads
