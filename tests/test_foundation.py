@@ -40,12 +40,9 @@ def llm(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
-    model.eval()
-    return model
+def hf_model(fp16_reference):
+    """The default model in transformers, float32 (conftest's copy, loaded once for every module that uses it)."""
+    return fp16_reference
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

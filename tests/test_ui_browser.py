@@ -383,7 +383,12 @@ def test_server_tab_shows_endpoint_snippets_and_command_line(page, server):
     # the default model by its folder (whose name is its id) when this test runs alone
     models = httpx.get(f"{api}/models", timeout=10).json()  # the snippet's endpoint really answers
     serving = models["data"][0]["id"]
-    page.wait_for_function("document.querySelector('#server-command').innerText.includes('--model ')")
+    # the tab shows the command it was built with until the refresh its selection starts arrives: wait for the
+    # serving model, not for any --model (the stale command has one too)
+    page.wait_for_function("""(serving) => { const command = document.querySelector('#server-command').innerText;
+                                             return command.includes('--model ' + serving)
+                                                 || (command + ' ').includes('/' + serving + ' '); }""",
+                           arg=serving)
     command = page.locator("#server-command").inner_text()
     assert f"--model {serving}" in command or f"/{serving} " in command + " ", (serving, command)
     assert f"--port {server['port']}" in page.locator("#server-command").inner_text()

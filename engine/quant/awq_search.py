@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.quant.rtn import effective_group, fake_quantize, fake_quantize_groups, working
+from engine.quant.rtn import effective_group, fake_quantize, fake_quantize_in_range, working
 
 
 @dataclass
@@ -35,6 +35,10 @@ class Screen:
     linears: list[nn.Linear]
     inspect: Callable[[torch.Tensor], torch.Tensor]
     inputs: torch.Tensor
+    # When the block is the group's one linear layer (o_proj, down_proj): the inputs' Gram matrix X^T X [in, in].
+    # The output error is then the quadratic form of the weight error, mean((X d^T)^2) = sum((d G) * d) / (T out),
+    # which costs out * in^2 per grid point instead of two forwards' tokens * in * out.
+    gram: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,9 +55,11 @@ class ScaleGroup:
 
 
 # Grid points whose float32 loss is within this fraction of the best one are scored again in float64. The
-# float32 loss of a grid point is off by ~1e-4 of itself at most (fp32 rounding in sums of <= 1,536 products,
-# then the squared difference of two outputs ~3% apart), so the point that wins in float64 is always in that
-# set, and which points enter it differs between machines only for points that lose in float64 anyway.
+# float32 loss of a grid point is off by a few 1e-4 of itself (float32 fake quantization moves a few weights to
+# the neighbouring code, then fp32 rounding in the sums), and the point that wins in float64 is in the set as long
+# as the margin exceeds twice that error. That error is measured (every scale group of the default model's AWQ
+# build), not proven, so the margin keeps a wide factor over it; which points enter the set differs between
+# machines only for points that lose in float64 anyway. Each point in the set costs a float64 forward of the block.
 SCREEN_MARGIN = 1e-2
 
 
@@ -78,23 +84,31 @@ def search_scales(group: ScaleGroup, group_size: int, n_grid: int = 20, duo_scal
     Each grid point's loss is the block output's mean squared error after 4-bit rounding of the scaled weights;
     the first point with the lowest loss wins. With a ``screen``, the float32 twin scores every point and the
     points within SCREEN_MARGIN of its best are scored again in float64, which picks the same point as scoring
-    all of them in float64 (the AWQ build of the default model: 1.8x faster, the same bytes).
+    all of them in float64 (the same bytes) while scoring only the near-ties in float64 (none when one point is
+    clearly best). The screen fake-quantizes in float32 too; for a one-linear block it scores from the inputs'
+    Gram matrix.
     """
     x = group.inputs
     x_mean = tie_channels(working(x.abs().reshape(-1, x.shape[-1])).mean(dim=0), group.prev_channel)  # [in]
     w_mean = tie_channels(_relative_weight_mean(group.linears, group_size), group.prev_channel)  # [in]
     grid = [_grid_scales(x_mean, w_mean, step / n_grid, duo_scaling) for step in range(n_grid)]
-    originals = [fc.weight.data.clone() for fc in group.linears]
+    original = torch.cat([fc.weight.data for fc in group.linears])  # [out_total, in] (a copy)
     candidates = range(n_grid)
     if group.screen is not None:
         screen = group.screen
-        losses = _grid_losses(screen.linears, screen.inspect, screen.inputs, grid, originals, group_size, candidates)
+        grid32 = [scales.float() for scales in grid]
+        if screen.gram is not None:
+            num_tokens = screen.inputs.numel() // screen.inputs.shape[-1]
+            losses = _gram_losses(screen.gram, num_tokens, grid32, original.float(), group_size, candidates)
+        else:
+            losses = _grid_losses(screen.linears, screen.inspect, screen.inputs, grid32, original.float(), group_size,
+                                  candidates)
         if all(math.isfinite(loss) for loss in losses.values()):
             best = min(losses.values())
             candidates = [step for step, loss in losses.items() if loss <= best * (1 + SCREEN_MARGIN)]
     if len(candidates) == 1:
         return grid[candidates[0]]
-    losses = _grid_losses(group.linears, group.inspect, x, grid, originals, group_size, candidates)
+    losses = _grid_losses(group.linears, group.inspect, x, grid, original, group_size, candidates)
     best_scales, best_loss = torch.ones_like(x_mean), float("inf")
     for step in candidates:
         if losses[step] < best_loss:
@@ -114,19 +128,32 @@ def _grid_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, alpha: float, duo_s
 
 
 def _grid_losses(linears: list[nn.Linear], inspect: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                 grid: list[torch.Tensor], originals: list[torch.Tensor], group_size: int, steps) -> dict[int, float]:
-    """Loss of each grid point in ``steps`` computed through ``linears`` (restored afterwards); ``originals``
-    are the full-precision weights the points scale and round."""
+                 grid: list[torch.Tensor], original: torch.Tensor, group_size: int, steps) -> dict[int, float]:
+    """Loss of each grid point in ``steps`` computed through ``linears`` (restored afterwards); ``original``
+    [out_total, in] holds their full-precision weights stacked (rows are quantized independently, so one
+    fake_quantize serves all of them), which the points scale and round in ``original``'s precision."""
     saved = [fc.weight.data for fc in linears]
     reference = inspect(x)
     losses = {}
     for step in steps:
         scales = grid[step]
-        for fc, w in zip(linears, originals):
-            fc.weight.data = (fake_quantize(w * scales, group_size) / scales).to(fc.weight.dtype)
+        dense = fake_quantize(original * scales, group_size).div_(scales)  # [out_total, in]
+        for fc, rows in zip(linears, dense.split([fc.out_features for fc in linears])):
+            fc.weight.data = rows.to(fc.weight.dtype)
         losses[step] = working(inspect(x) - reference).pow(2).mean().item()
     for fc, w in zip(linears, saved):
         fc.weight.data = w
+    return losses
+
+
+def _gram_losses(gram: torch.Tensor, num_tokens: int, grid: list[torch.Tensor], original: torch.Tensor,
+                 group_size: int, steps) -> dict[int, float]:
+    """``_grid_losses`` of a group whose block is one linear layer, from its inputs' Gram matrix [in, in]."""
+    losses = {}
+    for step in steps:
+        scales = grid[step]
+        delta = fake_quantize(original * scales, group_size).div_(scales).sub_(original)  # [out, in]
+        losses[step] = (delta @ gram).mul_(delta).sum().item() / (num_tokens * delta.shape[0])
     return losses
 
 
@@ -183,12 +210,18 @@ def search_clip(weight: torch.Tensor, inputs: torch.Tensor, group_size: int, n_g
     for start in range(0, out_features, row_chunk):
         w = working(weight[start:start + row_chunk])
         w = w.reshape(w.shape[0], -1, g).transpose(0, 1).contiguous()  # [n_groups, rows, G]
-        org_max = w.abs().amax(dim=-1, keepdim=True)  # [n_groups, rows, 1]
+        wmin, wmax = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)  # [n_groups, rows, 1]
+        org_max = torch.maximum(wmin.abs(), wmax)  # max |w|
         best_max = org_max.clone()
         best_err = torch.full_like(org_max, float("inf"))
         for step in range(int(max_shrink * n_grid)):
             max_val = org_max * (1 - step / n_grid)
-            delta = fake_quantize_groups(torch.clamp(w, -max_val, max_val)) - w  # [n_groups, rows, G]
+            low = max_val.neg()
+            # the clamped group's min and max are its min and max clamped: no reduction per step
+            clip_min = torch.minimum(torch.maximum(wmin, low), max_val)
+            clip_max = torch.minimum(torch.maximum(wmax, low), max_val)
+            clipped = torch.minimum(torch.maximum(w, low), max_val)  # [n_groups, rows, G]
+            delta = fake_quantize_in_range(clipped, clip_min, clip_max) - w  # [n_groups, rows, G]
             err = (torch.bmm(delta, gram) * delta).sum(dim=-1, keepdim=True)  # [n_groups, rows, 1]
             better = err < best_err
             best_err = torch.where(better, err, best_err)

@@ -108,38 +108,42 @@ def _gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: GPTQConfig)
         h = h[perm][:, perm]
     hinv = _inverse_cholesky_upper(h, cfg.damp_percent)  # [in, in]
 
-    codes = torch.zeros_like(w)
+    # The loop walks the input columns of ``w``; it keeps them as contiguous rows of the transpose (same
+    # arithmetic, element by element, as column slices; the block update's matmul keeps its operand order).
+    wt = w.t().contiguous()  # [in, out]
+    codes = torch.zeros_like(wt)  # [in, out]
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
     scale = zero = None
     for i1 in range(0, in_features, cfg.block_size):
         i2 = min(i1 + cfg.block_size, in_features)
-        w1 = w[:, i1:i2].clone()  # [out, block]
-        err1 = torch.zeros_like(w1)
+        w1 = wt[i1:i2].clone()  # [block, out]
+        err1 = torch.zeros(w1.shape[1], i2 - i1, dtype=w1.dtype, device=w1.device)  # [out, block]
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             if col % group == 0:
                 # Fit the group's grid on the error-compensated weights as they are now (GPTQ does the same).
-                block = w1[:, i:i + group]  # [out, group]; a group may run past the block into w
-                if block.shape[1] < group:
-                    block = torch.cat([block, w[:, i2:i2 + group - block.shape[1]]], dim=1)
-                scale, zero = fit_minmax(block, cfg.maxq, cfg.sym, include_zero=True, min_zero=cfg.min_zero)
+                block = w1[i:i + group]  # [group, out]; a group may run past the block into wt
+                if block.shape[0] < group:
+                    block = torch.cat([block, wt[i2:i2 + group - block.shape[0]]], dim=0)
+                scale, zero = fit_minmax(block.t(), cfg.maxq, cfg.sym, include_zero=True, min_zero=cfg.min_zero)
                 scales.append(scale)
                 zeros.append(zero)
-            q = quantize_codes(w1[:, i], scale, zero, cfg.maxq)  # [out]
-            codes[:, col] = q
-            err = (w1[:, i] - (q - zero) * scale) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            q = quantize_codes(w1[i], scale, zero, cfg.maxq)  # [out]
+            codes[col] = q
+            err = (w1[i] - (q - zero) * scale) / hinv1[i, i]
+            w1[i:] -= hinv1[i, i:, None] * err[None, :]
             err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        wt[i2:] -= (err1 @ hinv[i1:i2, i2:]).t()
 
+    codes = codes.t()  # [out, in]
     g_idx = torch.arange(in_features, device=w.device) // group
     if perm is not None:
         invperm = torch.argsort(perm)
         codes = codes[:, invperm]
         g_idx = g_idx[invperm]
-    return GPTQResult(codes, torch.stack(scales), torch.stack(zeros), g_idx.to(torch.int32))
+    return GPTQResult(codes.contiguous(), torch.stack(scales), torch.stack(zeros), g_idx.to(torch.int32))
 
 
 def _inverse_cholesky_upper(h: torch.Tensor, damp_percent: float) -> torch.Tensor:

@@ -147,12 +147,24 @@ def to_cpu(r: QuantizedLinear) -> QuantizedLinear:
     return QuantizedLinear(r.codes.cpu(), r.scales.cpu(), r.zeros.cpu(), None if r.g_idx is None else r.g_idx.cpu())
 
 
+class _Captured(Exception):
+    """Raised by ``capture_input``'s hook: the rest of the forward is not needed."""
+
+
 def capture_input(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
-    """The input ``module`` receives while ``run()`` executes."""
+    """The input ``module`` receives while ``run()`` executes; ``run()`` is stopped there, so neither ``module``
+    nor what follows it is computed (o_proj and down_proj end their blocks: their outputs are not wanted)."""
     captured = []
-    handle = module.register_forward_pre_hook(lambda m, args: captured.append(args[0]))
+
+    def hook(_module: nn.Module, args: tuple) -> None:
+        captured.append(args[0])
+        raise _Captured
+
+    handle = module.register_forward_pre_hook(hook)
     try:
         run()
+    except _Captured:
+        pass
     finally:
         handle.remove()
     return captured[0]
@@ -213,7 +225,12 @@ def add_float32_screens(layer: nn.Module, kwargs: dict, groups: dict[str, ScaleG
                 "gate_up": twin.mlp, "down": t["mlp.down_proj"]}
     for key, group in groups.items():
         linears = [t[name_of[id(fc)]] for fc in group.linears]  # the twin's copies of the group's linears
-        group.screen = Screen(linears, inspects[key], group.inputs.float())
+        inputs = group.inputs.float()
+        gram = None
+        if len(group.linears) == 1 and group.inspect is group.linears[0]:
+            flat = inputs.reshape(-1, inputs.shape[-1])  # [tokens, in]
+            gram = flat.t() @ flat  # [in, in]
+        group.screen = Screen(linears, inspects[key], inputs, gram)
 
 
 def _to_float32(value):

@@ -94,15 +94,23 @@ def fake_quantize(weight: torch.Tensor, group_size: int, maxq: int = 15) -> torc
 def fake_quantize_groups(w: torch.Tensor, maxq: int = 15) -> torch.Tensor:
     """Quantize-dequantize along the last dimension (one group per row of it), in ``w``'s precision.
 
-    The AWQ searches call this hundreds of times per layer, so it takes a few passes over the data:
-    ``clamp(round(w / s), -z, maxq - z) * s`` equals ``(clamp(round(w / s) + z, 0, maxq) - z) * s`` for the
-    integer ``z``. Scales are not rounded to float16 here (the float16 rounding of the final codes does not change
-    which scale or clip wins, and converting to float16 is slow on CPUs without F16C).
+    The AWQ searches call this hundreds of times per layer, so it takes few and cheap passes over the data:
+    ``amax`` and ``amin`` over a 32-wide last dimension are each several times faster than one ``aminmax`` on
+    CPU. Scales are not rounded to float16 here (the float16 rounding of the final codes does not change which
+    scale or clip wins, and converting to float16 is slow on CPUs without F16C).
     """
-    wmin, wmax = torch.aminmax(w, dim=-1, keepdim=True)
+    return fake_quantize_in_range(w, w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True), maxq)
+
+
+def fake_quantize_in_range(w: torch.Tensor, wmin: torch.Tensor, wmax: torch.Tensor, maxq: int = 15) -> torch.Tensor:
+    """``fake_quantize_groups`` given each group's min and max ([..., 1]), which a caller may already know.
+
+    ``(clamp(round(w / s) + z, 0, maxq) - z) * s``: the codes and ``z`` are integers, so the additions are exact,
+    and clamping by numbers is several times faster on CPU than by the tensors ``-z`` and ``maxq - z``.
+    """
     scale = (wmax - wmin).clamp_(min=1e-5).div_(maxq)
     zero = (wmin / scale).round_().neg_().clamp_(0, maxq)
-    return torch.clamp((w / scale).round_(), -zero, maxq - zero).mul_(scale)
+    return (w / scale).round_().add_(zero).clamp_(0, maxq).sub_(zero).mul_(scale)
 
 
 def dequantize_dense(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
