@@ -44,17 +44,20 @@ VARIANTS = [
 ]
 
 
+def _8b_width(epilogue) -> int:
+    """N of the Llama-3-8B launch that uses this epilogue (qkv, gate/up, else o and down's hidden width)."""
+    return {ROPE: 6144, SILU: 28672}.get(epilogue, 4096)
+
+
 def _gemv_args(name: str, epilogue, norm: bool, perm: bool, plan) -> dict:
     """The GEMV's arguments for a Llama-3-8B-shape launch (K = 4096, group 128) under ``plan``."""
-    n = {ROPE: 6144, SILU: 28672}.get(epilogue, 4096)
-    return gemv_args(4096, n, 128, plan, epilogue=epilogue, norm=norm, perm=perm, qk_norm="qk-norm" in name,
-                     bias="bias" in name)
+    return gemv_args(4096, _8b_width(epilogue), 128, plan, epilogue=epilogue, norm=norm, perm=perm,
+                     qk_norm="qk-norm" in name, bias="bias" in name)
 
 
 def _engine_plan(epilogue, norm: bool):
     """The plan the engine launches on the H200 (132 SMs) for the 8B layer that uses this variant."""
-    n = {ROPE: 6144, SILU: 28672}.get(epilogue, 4096)
-    return gemv_plan(n, 4096, 128, 132, head_dim=128 if epilogue == ROPE else None, norm=norm)
+    return gemv_plan(_8b_width(epilogue), 4096, 128, 132, head_dim=128 if epilogue == ROPE else None, norm=norm)
 
 
 @pytest.mark.parametrize(("name", "epilogue", "norm", "perm"), VARIANTS, ids=[v[0] for v in VARIANTS])

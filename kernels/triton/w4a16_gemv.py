@@ -431,10 +431,15 @@ def _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_pt
                        v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, 1.0, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
                        QK_NORM, BLOCK_N, HAS_BIAS)
     else:
-        total = _rounded(y, rn, n_mask, bias_ptr, HAS_BIAS)
-        if EPILOGUE == RESIDUAL:
-            total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
+        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, EPILOGUE)
+
+
+@triton.jit
+def _store_tile(total, out_ptr, rn, n_mask, EPILOGUE: tl.constexpr):
+    # STORE / RESIDUAL: the tile's fp16-rounded product total [BN] (fp32) stored, or added into the residual
+    if EPILOGUE == RESIDUAL:
+        total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
 
 
 @triton.jit
@@ -474,9 +479,7 @@ def _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, 
                            SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
         else:
             total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
-            if EPILOGUE == RESIDUAL:
-                total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
+            _store_tile(total, out_ptr, rn, n_mask, EPILOGUE)
         rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
 
 
@@ -496,11 +499,6 @@ class GemvPlan:
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
 SMALL_MATRIX_WARPS = 8  # a small matrix's column tile: all of K in one program, the rows over 8 warps
 ONE_STEP_WORDS = 32  # packed words a thread may hold in a one-step plan: at 32, 97-192 registers, no spills
-
-
-def _one_step_words(k: int, split: int, block_n: int, warps: int) -> int:
-    """Packed words each thread loads in a one-step plan (its split's rows, padded to a power of two)."""
-    return next_pow2(cdiv(k // 32, split) * 32) // 8 * block_n // (32 * warps)
 MAX_SPLIT = 32  # the last program of a tile sums one partial per split: 64 put ~2 us on 4096x4096's tail
 
 
@@ -511,8 +509,9 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     A large matrix takes one warp per 128 columns: Triton then gives each thread four adjacent columns of
     every packed row (one 16-byte load), so a row's four x pairs serve four words (22 SASS instructions a
     word; 32-column tiles, a column a thread, took 29 and a shared-memory pass for the scales). K steps of 64
-    rows keep it at 96 registers; the split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT``. With an RMSNorm prologue every
-    program reduces the whole row first, so each keeps at least two K steps. A small matrix is latency, not
+    rows keep it at 96 registers; the split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT``. With an
+    RMSNorm prologue each program keeps at least two K steps (measured when every program reduced the row; only
+    the tile's finishing program does now, and the rule is not re-measured). A small matrix is latency, not
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
     and sums it in the program, with no partials or ticket."""
     if interpreting():
@@ -520,7 +519,7 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     if k * n <= SMALL_MATRIX:
         block_n = max(32, head_dim or 1)
         split = 1  # more splits only where one program's K would not fit in registers
-        while _one_step_words(k, split, block_n, SMALL_MATRIX_WARPS) > ONE_STEP_WORDS and split < k // 32:
+        while _one_step_words(k, split, block_n) > ONE_STEP_WORDS and split < k // 32:
             split *= 2
         return GemvPlan(block_n, 0, split, SMALL_MATRIX_WARPS, one_step=True)
     block_k = largest_pow2_divisor(k, 64)  # the K loop needs no row mask
@@ -532,12 +531,23 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     return GemvPlan(block_n, block_k, split, warps)
 
 
+def _one_step_split(k: int, split: int) -> tuple[int, int, int]:
+    """(rows per split, splits, K step) of a one-step plan: K cut into ``split`` parts of whole 32-row pieces,
+    each loaded as one step of the next power of two rows (masked past the part)."""
+    k_per_split = cdiv(k // 32, max(1, split)) * 32
+    return k_per_split, cdiv(k, k_per_split), next_pow2(k_per_split)
+
+
+def _one_step_words(k: int, split: int, block_n: int) -> int:
+    """Packed words each thread of a small-matrix program loads in a one-step plan of ``split`` splits."""
+    return _one_step_split(k, split)[2] // 8 * block_n // (32 * SMALL_MATRIX_WARPS)
+
+
 def _k_steps(k: int, group_size: int, plan: GemvPlan) -> tuple[int, int, int]:
-    """(rows per split, splits, K step) of a plan on a K-row weight. A one-step plan cuts K into ``plan.split``
-    parts of whole 32-row pieces, each one masked step; otherwise the splits are whole numbers of K steps."""
+    """(rows per split, splits, K step) of a plan on a K-row weight: a one-step plan's (``_one_step_split``),
+    otherwise splits of whole numbers of K steps."""
     if plan.one_step:
-        k_per_split = cdiv(k // 32, max(1, plan.split)) * 32
-        return k_per_split, cdiv(k, k_per_split), next_pow2(k_per_split)
+        return _one_step_split(k, plan.split)
     block_k = largest_pow2_divisor(k, plan.block_k)
     if block_k % group_size and group_size % block_k:
         raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
