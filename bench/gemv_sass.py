@@ -31,7 +31,7 @@ EPILOGUES = {"store": STORE, "residual": RESIDUAL, "silu": SILU, "rope": ROPE}
 def compile_gemv(args: argparse.Namespace, plan: GemvPlan):
     """The GEMV specialized as the engine launches it for a K x N weight (Triton's CompiledKernel)."""
     values = gemv_args(args.k, args.n, args.group, plan, epilogue=EPILOGUES[args.epilogue], norm=args.norm)
-    return compile_source(_gemv_kernel, values, num_warps=args.warps, num_stages=1)
+    return compile_source(_gemv_kernel, values, num_warps=args.warps, num_stages=1, maxnreg=plan.max_registers)
 
 
 def main() -> None:
@@ -46,9 +46,11 @@ def main() -> None:
     parser.add_argument("--norm", action="store_true", help="the RMSNorm prologue")
     parser.add_argument("--epilogue", choices=sorted(EPILOGUES), default="store")
     parser.add_argument("--one-step", action="store_true", help="each split in one masked K step")
+    parser.add_argument("--max-registers", type=int, default=None, help="ptxas's cap (the plan's max_registers)")
     parser.add_argument("--sass", help="also write the whole disassembly here")
     args = parser.parse_args()
-    plan = GemvPlan(args.block_n, args.block_k, args.splits, args.warps, one_step=args.one_step)
+    plan = GemvPlan(args.block_n, args.block_k, args.splits, args.warps, one_step=args.one_step,
+                    max_registers=args.max_registers)
     compiled = compile_gemv(args, plan)
     instructions = disassemble(compiled.asm["cubin"])
     loop = main_loop(instructions) if not args.one_step else [text for _, text in instructions]

@@ -54,7 +54,7 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton type for {value!r}")
 
 
-def compile_source(kernel, args: dict, num_warps: int = 4, num_stages: int = 3):
+def compile_source(kernel, args: dict, num_warps: int = 4, num_stages: int = 3, maxnreg: int | None = None):
     """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90 and return Triton's CompiledKernel (its
     ``asm`` holds ttgir, PTX and the cubin): ``args`` maps every argument name to a tensor dtype (a pointer), an
     int / float (a runtime scalar) or a ``Constexpr``. Raises Triton's CompilationError.
@@ -70,12 +70,14 @@ def compile_source(kernel, args: dict, num_warps: int = 4, num_stages: int = 3):
                if isinstance(args[name], torch.dtype)
                or (type(args[name]) is int and args[name] % 16 == 0)}  # type(): a bool is not an int here
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
-    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(source, target=HOPPER, options=options)
 
 
-def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int = 3) -> HopperKernel:
+def compile_for_hopper(kernel, args: dict, num_warps: int = 4, num_stages: int = 3,
+                       maxnreg: int | None = None) -> HopperKernel:
     """``compile_source``'s kernel, as its resource use: registers, spills, shared memory, register-A wgmmas."""
-    compiled = compile_source(kernel, args, num_warps, num_stages)
+    compiled = compile_source(kernel, args, num_warps, num_stages, maxnreg)
     usage = resource_usage(compiled.asm["cubin"])
     # wgmma ... {d regs}, {a regs}, b-descriptor: a brace-enclosed A operand is in registers (a descriptor is not)
     register_a = len(re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", compiled.asm["ptx"]))

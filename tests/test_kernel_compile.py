@@ -23,7 +23,7 @@ from hopper_compile import (
 )
 
 from kernels.triton import decode_attention, prefill_attention, token_mask
-from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel, gemv_plan
+from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel, gemv_plan, register_cap
 from kernels.triton.w4a16_mma import _mma_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
 
@@ -55,6 +55,9 @@ def _gemv_args(name: str, epilogue, norm: bool, perm: bool, plan) -> dict:
                      qk_norm="qk-norm" in name, bias="bias" in name)
 
 
+CAPPED_SPILL_BYTES = 32
+
+
 def _engine_plan(epilogue, norm: bool):
     """The plan the engine launches on the H200 (132 SMs) for the 8B layer that uses this variant."""
     return gemv_plan(_8b_width(epilogue), 4096, 128, 132, head_dim=128 if epilogue == ROPE else None, norm=norm)
@@ -63,9 +66,14 @@ def _engine_plan(epilogue, norm: bool):
 @pytest.mark.parametrize(("name", "epilogue", "norm", "perm"), VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_gemv_variant_compiles_for_hopper(name, epilogue, norm, perm):
     plan = _engine_plan(epilogue, norm)
-    kernel = compile_for_hopper(_gemv_kernel, _gemv_args(name, epilogue, norm, perm, plan), plan.num_warps)
-    assert kernel.spilled_bytes == 0, f"{name}: {kernel.registers} registers, {kernel.spilled_bytes} B spilled"
-    assert 0 < kernel.registers <= 255
+    cap = register_cap(plan, perm)
+    kernel = compile_for_hopper(_gemv_kernel, _gemv_args(name, epilogue, norm, perm, plan), plan.num_warps,
+                                maxnreg=cap)
+    # under the plan's register cap ptxas may spill a few words of the epilogue's partial tiles (Triton 3.6, the
+    # H200's: 8-16 B, and the capped launches measured faster, BENCHMARKS.md session 13); more means the loop
+    spilled = kernel.spilled_bytes
+    assert spilled <= (CAPPED_SPILL_BYTES if cap else 0), f"{name}: {kernel.registers} registers, {spilled} B spilled"
+    assert 0 < kernel.registers <= (cap or 255)
 
 
 SMOLLM2_ROPE = {"Q_SIZE": 576, "KV_SIZE": 192, "HEAD_DIM": 64}
@@ -96,7 +104,7 @@ def test_gemv_main_loop_stays_within_its_instruction_budget():
     per-word work shows here, before any device time."""
     plan = gemv_plan(14336, 4096, 128, 132)
     compiled = compile_source(_gemv_kernel, _gemv_args("plain", STORE, False, False, plan), plan.num_warps,
-                              num_stages=1)
+                              num_stages=1, maxnreg=plan.max_registers)
     loop = main_loop(disassemble(compiled.asm["cubin"]))
     words = plan.block_k // 8 * plan.block_n // (32 * plan.num_warps)  # packed words a thread takes per K step
     assert len(loop) / words <= 24, f"{len(loop)} instructions for {words} words a thread ({plan})"

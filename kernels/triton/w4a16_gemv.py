@@ -142,6 +142,23 @@ def _inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _slice_squares(x_ptr, k_start, k_end, BLOCK: tl.constexpr):
+    # sum of x^2 over this split's slice x[k_start:k_end] in fp32, BLOCK >= k_end - k_start: a few elements a
+    # thread and one warp reduction, so the finishing program reads [splits] sums instead of the whole row
+    offs = k_start + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < k_end, other=0.0).to(tl.float32)
+    return tl.sum(v * v, axis=0)
+
+
+@triton.jit
+def _inv_rms_of_slices(squares_ptr, column, tiles, splits, K, eps, SPLITS: tl.constexpr):
+    # 1 / rms(x) from the splits' sums of squares of their slices, stored [splits, tiles] by a column tile's programs
+    sk = tl.arange(0, SPLITS)
+    part = tl.load(squares_ptr + sk * tiles + column, mask=sk < splits, other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(part, axis=0) / K + eps)
+
+
+@triton.jit
 def _x_column(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM: tl.constexpr):
     # x[perm[cols]] in fp16 [R] (act-order), zero where not row_live; with NORM, times the norm weight
     src = tl.load(perm_ptr + cols, mask=row_live, other=0)
@@ -306,8 +323,8 @@ def _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0, k_end, rows, rn, n_mask, N,
 
 @triton.jit
 def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
-              USE_ASM: tl.constexpr, MASK_ROWS: tl.constexpr):
-    # the K step at k0: sum over its packed rows r of x[8r .. 8r + 7] . (codes - zero) * scale, fp32 [R, BN];
+              USE_ASM: tl.constexpr, MASK_ROWS: tl.constexpr, ROW_GROUPS: tl.constexpr):
+    # the K step at k0: sum over its packed rows r of x[8r .. 8r + 7] . (codes - zero) * scale, fp32 [BN];
     # with MASK_ROWS, rows past k_end read x as zeros (their weights and scales are masked to zero too)
     if MASK_ROWS:
         row_live = k0 + rr * 8 < k_end
@@ -323,7 +340,10 @@ def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM: tl.
         x04, x15, x26, x37 = _x_word_pairs(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
                                            norm_ptr.to(tl.pointer_type(tl.int32), bitcast=True), k0 // 8 + rr,
                                            row_live, NORM, USE_ASM)
-    return _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, USE_ASM) * s
+    dots = _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, USE_ASM)  # [R, BN]
+    if ROW_GROUPS:  # a scale per packed row
+        return tl.sum(dots * s, axis=0)
+    return tl.sum(dots, axis=0) * tl.sum(s, axis=0)  # one scale a column (s [1, BN]): rows first, one multiply
 
 
 @triton.jit
@@ -335,6 +355,7 @@ def _gemv_kernel(
     perm_ptr,
     out_ptr,
     part_ptr,
+    squares_ptr,
     lock_ptr,
     norm_ptr,
     cos_sin_ptr,
@@ -389,31 +410,38 @@ def _gemv_kernel(
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    if ONE_STEP:
-        acc = _step_dot(x_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM,
-                        True)
+    split_path: tl.constexpr = SPLITS > 1 or EPILOGUE == SILU  # partials and a ticket: the tail reads [splits] sums
+    if NORM and split_path:
+        squares = _slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
     else:
-        acc = tl.zeros([R, BLOCK_N], tl.float32)
+        squares = 0.0
+    if ONE_STEP:
+        y = _step_dot(x_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM, True,
+                      ROW_GROUPS)
+    else:
+        # each step's rows are summed as it ends ([BN] carried, not [R, BN]): a large matrix's rows sit in one
+        # thread, so the sum is register adds, and 28 fewer registers stay live across the loop
+        y = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             qw_ptrs += R * N
             qw_next, s_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
                                                              (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
                                                              ROW_GROUPS, False)  # masked past the split's end
-            acc += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM,
-                             False)
+            y += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM, False,
+                           ROW_GROUPS)
             qw, s, zz, zm = qw_next, s_next, zz_next, zm_next
-    y = tl.sum(acc, axis=0)  # [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
-    if SPLITS == 1 and EPILOGUE != SILU:  # the tile's whole sum is here: no partials, no ticket
+    # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
+    if not split_path:  # the tile's whole sum is here: no partials, no ticket
         if NORM:
             y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
         _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
                             v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, EPILOGUE, Q_SIZE, KV_SIZE,
                             HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS)
     else:
-        _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest, out_ptr, cos_sin_ptr,
-                        pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr,
-                        x_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM,
-                        NORM_BLOCK)
+        _split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
+                        out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
+                        qk_eps, bias_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N,
+                        HAS_BIAS, NORM)
 
 
 @triton.jit
@@ -443,17 +471,19 @@ def _store_tile(total, out_ptr, rn, n_mask, EPILOGUE: tl.constexpr):
 
 
 @triton.jit
-def _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest, out_ptr, cos_sin_ptr,
-                    pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, x_ptr, K,
-                    eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr,
+def _split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
+                    out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps,
+                    bias_ptr, K, eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
     # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes.
-    # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x): the
-    # row is read and reduced once per column tile, not by every split (7B qkv: 96 reads of the 8 KB row a
-    # launch instead of 3,072)
+    # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x), taken
+    # from the sums of squares each split stored for its slice of x: the tail's loads (partials and [splits]
+    # sums) are then one L2 round trip, where reducing the whole row there was a second one after it
     tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
     num_tiles = tl.num_programs(0)
+    if NORM:
+        tl.store(squares_ptr + pid_k * num_tiles + pid_n, squares)
     if EPILOGUE == SILU:
         counter = pid_n % (num_tiles // 2)  # gate tile c and up tile c + tiles / 2 share one counter
         arrivals = 2 * splits
@@ -462,7 +492,7 @@ def _split_epilogue(y, pid_n, pid_k, part_ptr, lock_ptr, rn, n_mask, N, splits, 
         arrivals = splits
     if last_to_arrive(lock_ptr, counter, arrivals):
         if NORM:
-            scale = _inv_rms(x_ptr, K, eps, NORM_BLOCK)
+            scale = _inv_rms_of_slices(squares_ptr, pid_n, num_tiles, splits, K, eps, SPLITS)
         else:
             scale = 1.0
         if EPILOGUE == SILU:
@@ -494,12 +524,14 @@ class GemvPlan:
     split: int
     num_warps: int
     one_step: bool = False
+    max_registers: int | None = None  # ptxas's cap (Triton's maxnreg); None: ptxas chooses
 
 
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
 SMALL_MATRIX_WARPS = 8  # a small matrix's column tile: all of K in one program, the rows over 8 warps
 ONE_STEP_WORDS = 32  # packed words a thread may hold in a one-step plan: at 32, 97-192 registers, no spills
 MAX_SPLIT = 32  # the last program of a tile sums one partial per split: 64 put ~2 us on 4096x4096's tail
+LARGE_MATRIX_REGISTERS = 128  # uncapped, Triton 3.6 gives 168-174 (the epilogue's partial tiles): 12 warps an SM
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
@@ -508,8 +540,11 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
 
     A large matrix takes one warp per 128 columns: Triton then gives each thread four adjacent columns of
     every packed row (one 16-byte load), so a row's four x pairs serve four words (22 SASS instructions a
-    word; 32-column tiles, a column a thread, took 29 and a shared-memory pass for the scales). K steps of 64
-    rows keep it at 96 registers; the split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT``. With an
+    word; 32-column tiles, a column a thread, took 29 and a shared-memory pass for the scales), in K steps of 64
+    rows, capped at ``LARGE_MATRIX_REGISTERS`` (the epilogue's partial tiles otherwise set the whole kernel's
+    count: 8B gate/up 26.8 -> 24.0 us with the cap, down 14.3 -> 13.0). The split gives ~``warps_per_sm`` warps
+    an SM, at most ``MAX_SPLIT``; gate/up only as many as the cap lets an SM hold (8B gate/up 10 splits instead
+    of 13: 24.0 -> 22.6 us; qkv was slower with fewer, so it keeps the wider grid). With an
     RMSNorm prologue each program keeps at least two K steps (measured when every program reduced the row; only
     the tile's finishing program does now, and the rule is not re-measured). A small matrix is latency, not
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
@@ -527,8 +562,10 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     block_n = max(128, head_dim or 1)  # a ROPE launch's tiles hold whole heads
     warps = block_n // 128
     most = steps // 2 if norm else steps
+    if norm and head_dim is None:  # gate/up: the grid sized to the 16 warps an SM that 128 registers allow
+        warps_per_sm = min(warps_per_sm, 65536 // (32 * LARGE_MATRIX_REGISTERS))
     split = max(1, min(most, cdiv(warps_per_sm * sms, cdiv(n, block_n) * warps), MAX_SPLIT))
-    return GemvPlan(block_n, block_k, split, warps)
+    return GemvPlan(block_n, block_k, split, warps, max_registers=LARGE_MATRIX_REGISTERS)
 
 
 def _one_step_split(k: int, split: int) -> tuple[int, int, int]:
@@ -552,6 +589,23 @@ def _k_steps(k: int, group_size: int, plan: GemvPlan) -> tuple[int, int, int]:
     if block_k % group_size and group_size % block_k:
         raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
     return (*split_k(k, block_k, plan.split), block_k)
+
+
+def register_cap(plan: GemvPlan, act_order: bool) -> int | None:
+    """The plan's register cap as launched: none for act-order, whose element-wise x gathers spill 40 B under it
+    (compiled for sm_90) and were not measured capped."""
+    return None if act_order else plan.max_registers
+
+
+def _register_cap(plan: GemvPlan, act_order: bool) -> dict:
+    cap = register_cap(plan, act_order)
+    return {"maxnreg": cap} if cap else {}
+
+
+def norm_block(k: int, k_per_split: int, splits: int, silu: bool) -> int:
+    """The NORM prologue's constexpr block: a split program sums the squares of its slice of x (``k_per_split``
+    rows); a lone program without partials (one split, not SILU) reduces the whole row."""
+    return next_pow2(k_per_split if splits > 1 or silu else k)
 
 
 def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
@@ -614,12 +668,13 @@ def w4a16_gemv(
         extra = rope
     else:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    scratch = torch.empty((splits * (n + tiles),), dtype=torch.float32, device=x.device)
+    part, squares = scratch[: splits * n].view(splits, n), scratch[splits * n:]  # [splits, N], [splits, tiles]
     pdl = pdl_supported(x.device)
     lock = lock_buffer(qweight, tiles, reuse=True)
     dummy = qweight
     _gemv_kernel[(tiles, splits)](
-        x, qweight, scales, zeros, perm if perm is not None else dummy, out, part, lock,
+        x, qweight, scales, zeros, perm if perm is not None else dummy, out, part, squares, lock,
         norm_weight if norm_weight is not None else dummy,
         extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
         extra.get("k_cache", dummy), extra.get("v_cache", dummy), extra.get("q_norm", dummy),
@@ -629,7 +684,7 @@ def w4a16_gemv(
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
         HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None,
         HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
-        NORM_BLOCK=next_pow2(k) if norm_weight is not None else 1, ONE_STEP=plan.one_step, num_warps=plan.num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        NORM_BLOCK=norm_block(k, k_per_split, splits, epilogue == SILU.value) if norm_weight is not None else 1, ONE_STEP=plan.one_step, num_warps=plan.num_warps,
+        **({"launch_pdl": True} if pdl else {}), **_register_cap(plan, perm is not None),
     )
     return out
