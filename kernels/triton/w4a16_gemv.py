@@ -18,9 +18,10 @@ in packed half2 arithmetic:
   x[8r + j + 4]) are two bit operations on them. Gathering the pairs element by element cost ~60 of the ~86
   instructions a packed word took (SASS of the main loop), so the loop was issue-bound, not memory-bound.
 - Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own. 1 / rms is a
-  scalar of the row: the loop multiplies the words of x and the norm weight in half2, and the program that
-  finishes a column tile (the last split to arrive, or the only one) reduces the row once and scales the
-  tile's sum, so the row is read once per tile, not once per split, and never inside the loop.
+  scalar of the row: the loop multiplies the words of x and the norm weight in half2; each split program
+  also sums the squares of its own slice of x, and the program that finishes a column tile (the last split to
+  arrive) reads those [splits] sums with the partials and scales the tile's sum (a lone program without
+  partials reduces the row itself), so the row is never reduced inside the loop or twice in a tail.
 - Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down), ``SILU``
   (gate and up tiles share one counter; the last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the
   q and k columns, k and v written to their KV-cache slot, q stored; a tile holds whole heads, so each rotary
