@@ -15,8 +15,9 @@ from kernels.triton.w4a16_gemv import ROPE, SILU, STORE, GemvPlan, _k_steps, nor
 
 F16, F32, I32 = torch.float16, torch.float32, torch.int32
 POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "out_ptr": F16,
-            "part_ptr": F32, "squares_ptr": F32, "lock_ptr": I32, "norm_ptr": F16, "cos_sin_ptr": F32, "pos_ptr": I32,
-            "slot_ptr": I32, "k_cache_ptr": F16, "v_cache_ptr": F16, "q_norm_ptr": F16, "k_norm_ptr": F16, "bias_ptr": F16}
+            "part_ptr": F32, "squares_ptr": F32, "lock_ptr": I32, "norm_ptr": F16, "cos_sin_ptr": F32,
+            "pos_ptr": I32, "slot_ptr": I32, "k_cache_ptr": F16, "v_cache_ptr": F16, "q_norm_ptr": F16,
+            "k_norm_ptr": F16, "bias_ptr": F16}
 ROPE_SIZES = {"Q_SIZE": 4096, "KV_SIZE": 1024, "HEAD_DIM": 128}  # Llama-3-8B's q and kv widths, head size
 
 
@@ -30,7 +31,8 @@ def gemv_args(k: int, n: int, group: int, plan: GemvPlan, *, epilogue=STORE, nor
     constexprs = {"GROUP": group, "NORM": norm, "EPILOGUE": epilogue.value, "HAS_PERM": perm, "USE_ASM": True,
                   "USE_PDL": True, **rope, "QK_NORM": qk_norm, "HAS_BIAS": bias, "BLOCK_N": plan.block_n,
                   "BLOCK_K": block_k, "SPLITS": triton.next_power_of_2(splits),
-                  "NORM_BLOCK": norm_block(k, k_per_split, splits, epilogue == SILU) if norm else 1, "ONE_STEP": plan.one_step}
+                  "NORM_BLOCK": norm_block(k, k_per_split, splits, epilogue == SILU) if norm else 1,
+                  "ONE_STEP": plan.one_step}
     scalars = {"N": n, "K": k, "k_per_split": k_per_split, "splits": splits, "lock_rest": 1024 - arrivals,
                "eps": 1e-5, "qk_eps": 1e-6}
     return {**POINTERS, **scalars, **{name: Constexpr(value) for name, value in constexprs.items()}}

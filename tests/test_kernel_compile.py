@@ -104,7 +104,7 @@ def test_gemv_main_loop_stays_within_its_instruction_budget():
     per-word work shows here, before any device time."""
     plan = gemv_plan(14336, 4096, 128, 132)
     compiled = compile_source(_gemv_kernel, _gemv_args("plain", STORE, False, False, plan), plan.num_warps,
-                              num_stages=1, maxnreg=plan.max_registers)
+                              num_stages=1, maxnreg=register_cap(plan, act_order=False))
     loop = main_loop(disassemble(compiled.asm["cubin"]))
     words = plan.block_k // 8 * plan.block_n // (32 * plan.num_warps)  # packed words a thread takes per K step
     assert len(loop) / words <= 24, f"{len(loop)} instructions for {words} words a thread ({plan})"

@@ -546,8 +546,8 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     count: 8B gate/up 26.8 -> 24.0 us with the cap, down 14.3 -> 13.0). The split gives ~``warps_per_sm`` warps
     an SM, at most ``MAX_SPLIT``; gate/up only as many as the cap lets an SM hold (8B gate/up 10 splits instead
     of 13: 24.0 -> 22.6 us; qkv was slower with fewer, so it keeps the wider grid). With an
-    RMSNorm prologue each program keeps at least two K steps (measured when every program reduced the row; only
-    the tile's finishing program does now, and the rule is not re-measured). A small matrix is latency, not
+    RMSNorm prologue each program keeps at least two K steps (measured when every program reduced the row; now
+    each split sums the squares of its own slice, and the rule is not re-measured). A small matrix is latency, not
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
     and sums it in the program, with no partials or ticket."""
     if interpreting():
@@ -685,7 +685,8 @@ def w4a16_gemv(
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
         HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None,
         HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
-        NORM_BLOCK=norm_block(k, k_per_split, splits, epilogue == SILU.value) if norm_weight is not None else 1, ONE_STEP=plan.one_step, num_warps=plan.num_warps,
+        NORM_BLOCK=norm_block(k, k_per_split, splits, epilogue == SILU.value) if norm_weight is not None else 1,
+        ONE_STEP=plan.one_step, num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}), **_register_cap(plan, perm is not None),
     )
     return out
