@@ -133,8 +133,9 @@ def test_planes_variant_compiles_for_hopper(dtype, block_n, serial, perm):
 
 
 MMA_VARIANTS = [  # dtype, BLOCK_M, BLOCK_N, warps, stages, splits: the tiles mma_config picks
-    (torch.float16, 32, 64, 4, 4, 4),
-    (torch.bfloat16, 64, 64, 4, 4, 2),
+    (torch.float16, 32, 64, 4, 3, 4),
+    (torch.bfloat16, 64, 64, 4, 3, 2),
+    (torch.float16, 128, 64, 4, 3, 1),
     (torch.float16, 128, 128, 8, 3, 1),
 ]
 

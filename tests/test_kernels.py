@@ -155,7 +155,7 @@ W4A16_SHAPES = [(4096, 4096), (4096, 22016), (11008, 4096), (4096, 12288), (4096
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 128, 256, 1024, 4096])
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 128, 200, 256, 1024, 4096])
 @pytest.mark.parametrize("k,n", W4A16_SHAPES)
 def test_gpu_w4a16_7b_shapes(dtype, m, k, n):
     _cases().check_w4a16("cuda", dtype, m, k, n, 128, act_order=False)
@@ -184,7 +184,7 @@ def test_gpu_w4a16_planes_variants(dtype, variant, m, act_order):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", ["split", "no-split", "wide"])
-@pytest.mark.parametrize("m,act_order", [(17, False), (100, True), (128, False)])
+@pytest.mark.parametrize("m,act_order", [(17, False), (100, True), (128, False), (256, True)])
 def test_gpu_w4a16_mma_variants(dtype, variant, m, act_order):
     # N = 4144 is not a multiple of any tile width: the edge tile's masks are exercised
     _cases().check_w4a16_mma("cuda", dtype, m, 4096, 4144, 128, act_order, variant)

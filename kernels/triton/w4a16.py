@@ -16,8 +16,8 @@ Paths, picked by M (rows of x):
   product computed transposed so the dequantized weight is wgmma's register operand.
 - other 16 < M < ``DEQUANT_MIN_M`` cases: tensor-core tiles; each K step unpacks a [BLOCK_K, BLOCK_N] weight
   tile in registers, dequantizes it and feeds ``tl.dot``. Autotuned over a few configs per (M bucket, N, K).
-- M >= ``DEQUANT_MIN_M``: dequantize once to a dense buffer and use torch.matmul (cuBLAS): measured faster
-  than the fused tiles from M = 256 up (BENCHMARKS.md, Kernels).
+- M >= ``DEQUANT_MIN_M`` where ``mma`` does not apply: dequantize once to a dense buffer and use torch.matmul
+  (cuBLAS): measured faster than the fused tiles from M = 256 up (BENCHMARKS.md, Kernels).
 Codes become floats without int->float converts (``_codes_to``), and every K step lies inside one
 quantization group (BLOCK_K <= G and G % BLOCK_K == 0), so a step needs one row of scales and zeros.
 """
@@ -47,7 +47,7 @@ from kernels.triton.w4a16_planes import (
 
 DEQUANT_MIN_M = 128
 PLANES_MAX_M = 16
-MMA_MAX_M = 128  # above it dequantize-then-cuBLAS was as fast or faster at 256 rows (BENCHMARKS.md, issue 16)
+MMA_MAX_M = 256  # at 256 rows 1.5x faster than dequantize-then-cuBLAS on gate/up, 1.17x on down (BENCHMARKS.md, issue 16)
 TENSOR_CORE_PATHS = {"planes": (planes_config, planes_matmul), "mma": (mma_config, mma_matmul)}  # (plan, launch)
 
 

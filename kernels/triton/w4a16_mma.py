@@ -1,4 +1,4 @@
-"""W4A16 matmul for 17-128 rows on tensor cores, the weight tile as the left operand in registers.
+"""W4A16 matmul for 17-256 rows on tensor cores, the weight tile as the left operand in registers.
 
 Why (BENCHMARKS.md, issue 16): at 32-128 rows the fused tiles of w4a16.py ran at 0.40-0.75x of fp16 cuBLAS.
 They put the dequantized weight in the right operand, which Hopper's wgmma reads from shared memory, so every
@@ -118,15 +118,19 @@ def mma_supported(x: torch.Tensor, group_size: int, k: int) -> bool:
 
 
 def mma_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Tile and split-K, the best of a sweep at 16-256 rows on the H200 (BENCHMARKS.md, issue 16): BLOCK_M
-    covers the rows up to 128; wide layers (N >= 16384) take 128 weight columns with 8 warps, the others 64 with
-    4 warps and 4 stages; split-K while the tiles leave SMs idle, each split at least 4 K steps."""
+    """Tile and split-K, the best of sweeps at 32-256 rows on the H200 (BENCHMARKS.md, issue 16, session 14):
+    BLOCK_M covers the rows up to 128; 64 weight columns, 4 warps and 3 stages, unless those tiles need more
+    than one wave (3 programs an SM fit at BLOCK_M <= 64, 2 above: registers and shared memory); then 128
+    columns with 8 warps (8B gate/up at 64 rows: 69.8 us in 448 narrow tiles, 56.1 in 224 wide ones; 7B
+    gate/up, 344 tiles in one wave: 45.2 narrow, 56.0 wide). Split-K while the tiles leave SMs idle, each
+    split at least 4 K steps."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
-    wide = n >= 16384
+    per_sm = 3 if block_m <= 64 else 2
+    wide = triton.cdiv(m, block_m) * triton.cdiv(n, 64) > per_sm * sms
     block_n = 128 if wide else 64
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = max(1, min(triton.cdiv(sms, tiles), k // (4 * K_STEP), 16))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if wide else 4, "num_stages": 3 if wide else 4,
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if wide else 4, "num_stages": 3,
             "split": split}
 
 
