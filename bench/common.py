@@ -48,7 +48,10 @@ PEER_LLAMACPP_BS1 = {  # batch-1 decode (llama-bench tg128), tok/s, 2026-12-02
     "llama3-8b": 340.1,  # Q4_0
 }
 LLAMACPP_BENCH_SHAPES = {"smol": "smollm2-135m", "l7b": "llama2-7b", "l8b": "llama3-8b"}  # llamacpp_bench.sh's
-PEER_LLAMACPP_7B_128 = 3954.0  # generated tok/s over the whole run, 128 x (128 + 128) (decode-only S_TG: 5,946)
+PEER_LLAMACPP_128 = {  # generated tok/s over the whole run, 128 x (128 + 128), Q4_0 (recorded, same H200)
+    "llama2-7b": 3954.0,  # 2026-11-30 (decode-only S_TG: 5,946)
+    "llama3-8b": 4280.0,  # 2026-12-01, llama-batched-bench b128
+}
 PEER_HF_7B_BS128 = 1329.0  # HF transformers fp16 Llama-2-7B, batch 128 (recorded; the bench measures its own)
 
 

@@ -47,7 +47,9 @@ from kernels.triton.w4a16_planes import (
 
 DEQUANT_MIN_M = 128
 PLANES_MAX_M = 16
-MMA_MAX_M = 256  # at 256 rows 1.5x faster than dequantize-then-cuBLAS on gate/up, 1.17x on down (BENCHMARKS.md, issue 16)
+# at 256 rows mma is 1.16-1.19x faster than dequantize + cuBLAS on gate/up and down, 0.94-0.96x on qkv and o:
+# a layer's matmuls 7-9% faster (BENCHMARKS.md, issue 16, session 14)
+MMA_MAX_M = 256
 TENSOR_CORE_PATHS = {"planes": (planes_config, planes_matmul), "mma": (mma_config, mma_matmul)}  # (plan, launch)
 
 
