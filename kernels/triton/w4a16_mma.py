@@ -125,10 +125,11 @@ def mma_config(m: int, n: int, k: int, sms: int) -> dict:
     gate/up, 344 tiles in one wave: 45.2 narrow, 56.0 wide). Split-K while the tiles leave SMs idle, each
     split at least 4 K steps."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
+    m_tiles = triton.cdiv(m, block_m)
     per_sm = 3 if block_m <= 64 else 2
-    wide = triton.cdiv(m, block_m) * triton.cdiv(n, 64) > per_sm * sms
+    wide = m_tiles * triton.cdiv(n, 64) > per_sm * sms
     block_n = 128 if wide else 64
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    tiles = m_tiles * triton.cdiv(n, block_n)
     split = max(1, min(triton.cdiv(sms, tiles), k // (4 * K_STEP), 16))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if wide else 4, "num_stages": 3,
             "split": split}
