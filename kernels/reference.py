@@ -8,11 +8,15 @@ weight loaders all follow:
 - A forward batch is a flat list of ``num_tokens`` new tokens from ``num_seqs`` sequences; sequence ``i``
   owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` which are the *last* tokens of its context
   of ``context_lens[i]`` tokens (cached prefix + the new ones).
-- Packed int4 weights (``PackedInt4``): ``qweight`` int32 ``[K // 8, N]``, nibble ``j`` (bits 4j..4j+3) of
-  ``qweight[r, n]`` is the code of input row ``8r + j``; ``scales`` ``[K // G, N]`` and ``zeros`` ``[K // G, N]``
-  in the activation dtype, both indexed by group ``k // G``; ``w[k, n] = (code - zeros[g, n]) * scales[g, n]``.
-  When ``perm`` is set (GPTQ act-order), rows were reordered at load time so that groups are contiguous:
-  ``y = x[:, perm] @ W``.
+- Packed int4 weights (``PackedInt4``): ``qweight`` int32 ``[K // 8, N]`` in blocks of ``INT4_BLOCK`` = 64 input
+  rows (K a multiple of 64): nibble ``j`` (bits 4j..4j+3) of ``qweight[8b + w, n]`` (w < 8) is the code of input
+  row ``64b + 8j + w``. ``scales`` ``[K // G, N]`` and ``zeros`` ``[K // G, N]`` in the activation dtype, both
+  indexed by group ``k // G``; ``w[k, n] = (code - zeros[g, n]) * scales[g, n]``. When ``perm`` is set (GPTQ
+  act-order), rows were reordered at load time so that groups are contiguous: ``y = x[:, perm] @ W``.
+  Why this order and not GPTQ's (nibble j of row r = input row 8r + j): a tensor-core thread's operand needs
+  input rows 2q, 2q + 1, 2q + 8, 2q + 9 of every 16, which are whole words 2q and 2q + 1 here (no register
+  shuffle through shared memory, BENCHMARKS.md issue 16, session 14), and a one-LOP3 unpack's half2 (nibbles j
+  and j + 4) holds rows 32 apart: one 32-row group in each half. ``rows_to_blocks`` converts GPTQ's order.
 """
 
 from __future__ import annotations
@@ -166,20 +170,38 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+INT4_BLOCK = 64  # input rows per block of 8 packed words
+
+
+def rows_to_blocks(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ's row order (nibble j of row r = input row 8r + j) [K // 8, N] int32 -> this layout, and back (the
+    nibble transpose of each block of 8 words is its own inverse): nibble j of word 8b + w swaps with nibble w
+    of word 8b + j. Plain int32 shifts and masks on strided views: no [K, N] codes (7B: 3.5 GB packed)."""
+    words, n = qweight.shape
+    if (words * 8) % INT4_BLOCK:
+        raise ValueError(f"packed int4: K = {words * 8} input rows is not a multiple of {INT4_BLOCK}")
+    blocks = qweight.reshape(words // 8, 8, n)  # [K // 64, word in block, N]
+    out = torch.zeros_like(blocks)
+    for w in range(8):
+        for j in range(8):
+            out[:, w] |= ((blocks[:, j] >> (4 * w)) & 0xF) << (4 * j)
+    return out.reshape(words, n)
+
+
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """[K // 8, N] int32 -> [K, N] int32 codes 0..15 (nibble j of row r is input row 8r + j)."""
+    """[K // 8, N] int32 -> [K, N] int32 codes 0..15 (input row 64b + 8j + w is nibble j of word 8b + w)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)  # [8]
-    codes = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF  # [K // 8, 8, N]
+    codes = (rows_to_blocks(qweight)[:, None, :] >> shifts[None, :, None]) & 0xF  # [K // 8, 8, N]: row 8r + j
     return codes.reshape(-1, qweight.shape[1])
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """[K, N] integer codes 0..15 -> [K // 8, N] int32, the inverse of ``unpack_int4``."""
+    """[K, N] integer codes 0..15 (K a multiple of 64) -> [K // 8, N] int32, the inverse of ``unpack_int4``."""
     k, n = codes.shape
     c = codes.to(torch.int64).reshape(k // 8, 8, n)
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    packed = (c << shifts[None, :, None]).sum(dim=1)  # [K // 8, N], fits in 32 bits unsigned
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    packed = (c << shifts[None, :, None]).sum(dim=1)  # [K // 8, N] in row order, fits in 32 bits unsigned
+    return rows_to_blocks(torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32))
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -33,6 +33,14 @@ class Constexpr:
 
 
 @dataclass(frozen=True)
+class Descriptor:
+    """A host tensor descriptor argument (``triton.tools.tensor_descriptor.TensorDescriptor``) of a dtype and block."""
+
+    dtype: torch.dtype
+    block: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class HopperKernel:
     registers: int  # per thread
     spilled_bytes: int  # stack frame + local memory per thread (spills)
@@ -45,6 +53,8 @@ def _arg_type(value) -> str:
         return "constexpr"
     if isinstance(value, torch.dtype):
         return POINTER_TYPES[value]
+    if isinstance(value, Descriptor):
+        return f"tensordesc<{POINTER_TYPES[value.dtype].lstrip('*')}[{','.join(map(str, value.block))}]>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

@@ -518,16 +518,17 @@ def test_dequantize(group_size):
     )
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("kernel,scale_after,serial", [("m1", False, True), ("m1", True, True), ("m1", False, False),
                                                       ("dot", False, None), ("dot", True, None)])
-def test_w4a16_gemv_variants(kernel, scale_after, serial):
+def test_w4a16_gemv_variants(kernel, scale_after, serial, group_size):
     """Both GEMV kernels with the scale applied per weight or once per group after the K-step sum; at M == 1
     the split-K partials summed in the same launch (serial, called twice: the counters must reset) or by the
-    reduce kernel."""
+    reduce kernel. Group size 32: a 64-row step holds two groups, one per half of the nibble planes."""
     from kernels.triton.w4a16 import w4a16_matmul
 
     m = 1 if kernel == "m1" else 3
-    qweight, scales, zeros = random_int4("cpu", torch.float16, 256, 48, 64)
+    qweight, scales, zeros = random_int4("cpu", torch.float16, 256, 48, group_size)
     cfg = {
         "kernel": kernel,
         "BLOCK_N": 16,
@@ -541,34 +542,40 @@ def test_w4a16_gemv_variants(kernel, scale_after, serial):
         cfg["serial"] = serial
     for _ in range(2):
         x = torch.randn(m, 256, dtype=torch.float16)
-        out = w4a16_matmul(x, qweight, scales, zeros, 64, path="gemv", config=dict(cfg))
-        exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, 64).to(torch.float16)
-        assert_rel(out, exp, TOL[torch.float16]["matmul"], f"gemv {kernel} scale_after={scale_after} serial={serial}")
+        out = w4a16_matmul(x, qweight, scales, zeros, group_size, path="gemv", config=dict(cfg))
+        exp = ref.w4a16_matmul(x.double(), qweight, scales, zeros, group_size).to(torch.float16)
+        assert_rel(out, exp, TOL[torch.float16]["matmul"],
+                   f"gemv {kernel} scale_after={scale_after} serial={serial} G={group_size}")
 
 
 @pytest.mark.parametrize(
     "fusion,group_size,act_order,bias",
     [("plain", 32, False, False), ("plain", 128, True, True), ("norm", 64, True, False), ("residual", 256, False, False),
      ("residual", 64, False, True), ("silu", 32, False, False), ("silu", 64, False, True), ("rope", 64, False, False),
-     ("rope", 64, False, True), ("rope+qk-norm", 64, False, False), ("norm+silu", 64, False, False)],
+     ("rope", 64, False, True), ("rope+qk-norm", 64, False, False), ("norm+silu", 64, False, False),
+     ("norm", 96, True, False)],
 )
 def test_w4a16_gemv(fusion, group_size, act_order, bias):
-    check_w4a16_gemv("cpu", 256, 128 if fusion.startswith("rope") else 64, group_size, act_order, fusion, bias=bias)
+    """Group 32: a word's two half2 halves (rows 32 apart) are two groups; 96: a 64-row block's halves are in
+    one group or two, block by block; K = 384 holds whole groups of 96 and whole 64-row blocks."""
+    k = 384 if group_size == 96 else 256
+    check_w4a16_gemv("cpu", k, 128 if fusion.startswith("rope") else 64, group_size, act_order, fusion, bias=bias)
 
 
 @pytest.mark.parametrize(
-    "fusion,split,act_order,bias",
-    [("plain", 1, False, False), ("plain", 3, True, False), ("residual", 1, False, True), ("norm", 2, False, False),
-     ("rope", 1, False, True), ("rope", 2, False, False), ("rope+qk-norm", 1, False, False),
-     ("norm+silu", 1, False, False),
-     ("silu", 2, False, False)],
+    "fusion,split,act_order,bias,group_size",
+    [("plain", 1, False, False, 32), ("plain", 3, True, False, 32), ("residual", 1, False, True, 32),
+     ("norm", 2, False, False, 32), ("rope", 1, False, True, 32), ("rope", 2, False, False, 32),
+     ("rope+qk-norm", 1, False, False, 32), ("norm+silu", 1, False, False, 32), ("silu", 2, False, False, 32),
+     ("plain", 2, False, False, 64), ("norm", 1, True, False, 64)],
 )
-def test_w4a16_gemv_one_step(fusion, split, act_order, bias):
-    """Plans that load each program's whole split in one step: K = 288 is nine 32-row pieces, so the steps
-    (512, 128 or 256 rows) are masked past their split, and three splits are uneven; at one split the tile
-    finishes without partials (STORE / RESIDUAL) or with a barrier instead of the ticket (ROPE)."""
+def test_w4a16_gemv_one_step(fusion, split, act_order, bias, group_size):
+    """Plans that load each program's whole split in one step: K = 320 is five 64-row blocks, so the steps
+    (512, 256 or 128 rows) are masked past their split, and three splits are uneven (128, 128, 64 rows); at one
+    split the tile finishes without partials (STORE / RESIDUAL) or with a barrier instead of the ticket (ROPE).
+    Group 32 has two scale rows per packed row, 64 one."""
     from kernels.triton.w4a16_gemv import GemvPlan
 
     rope = fusion.startswith("rope")
     plan = GemvPlan(block_n=32 if rope else 16, block_k=0, split=split, num_warps=1, one_step=True)
-    check_w4a16_gemv("cpu", 288, 128 if rope else 64, 32, act_order, fusion, plan=plan, bias=bias)
+    check_w4a16_gemv("cpu", 320, 128 if rope else 64, group_size, act_order, fusion, plan=plan, bias=bias)

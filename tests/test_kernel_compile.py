@@ -15,6 +15,7 @@ from gemv_specialization import gemv_args
 from hopper_compile import (
     HOPPER_SHARED_BYTES,
     Constexpr,
+    Descriptor,
     compile_for_hopper,
     compile_source,
     disassemble,
@@ -145,8 +146,8 @@ MMA_VARIANTS = [  # dtype, BLOCK_M, BLOCK_N, warps, stages, splits: the tiles mm
 def test_mma_variant_compiles_for_hopper(dtype, block_m, block_n, warps, stages, splits):
     """The transposed W4A16 kernel: compiles for sm_90 without spills, and the dequantized weight reaches the
     tensor cores as wgmma's register operand (the point of the kernel)."""
-    args = {"x_ptr": dtype, "qw_ptr": I32, "scales_ptr": dtype, "zeros_ptr": dtype, "out_ptr": dtype,
-            "part_ptr": F32, "lock_ptr": I32, "M": 64, "N": 4096, "K": 4096, "k_per_split": 4096 // splits,
+    args = {"x_ptr": dtype, "qw_desc": Descriptor(I32, (16, block_n)), "scales_ptr": dtype, "zeros_ptr": dtype,
+            "out_ptr": dtype, "part_ptr": F32, "lock_ptr": I32, "M": 64, "N": 4096, "K": 4096, "k_per_split": 4096 // splits,
             "splits": splits, "lock_rest": 1024 - splits, "stride_xm": 4096, "stride_om": 4096,
             **{key: Constexpr(value) for key, value in {
                 "GROUP_SIZE": 128, "USE_ASM": True, "BLOCK_M": block_m, "BLOCK_N": block_n,

@@ -34,12 +34,13 @@ TINY_PROMPTS = [[5, 9, 33, 70, 12], list(range(3, 40))]  # token ids of the word
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("tp-llama"), "llama", attention_bias=True, mlp_bias=True,
-                            vocab_size=255)
+                            vocab_size=255, hidden_size=128, intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
 def tiny_awq(tiny_llama, tmp_path_factory):
-    """An AWQ (GEMM) checkpoint of the tiny model, groups of 32: its o and down shards are 32 and 64 rows."""
+    """An AWQ (GEMM) checkpoint of the tiny model, groups of 32: its o and down shards are 64 and 128 rows (whole
+    64-row blocks of the packed layout, two groups each)."""
     return write_rtn_checkpoint(tiny_llama, tmp_path_factory.mktemp("tp-awq") / "awq", group_size=32)
 
 
@@ -112,24 +113,27 @@ def test_a_split_that_does_not_divide_is_refused_with_the_numbers(default_model_
     with pytest.raises(EngineError, match=r"num_attention_heads \(9\)") as info:
         LLM(str(default_model_dir), device="cpu", tensor_parallel_size=2)
     assert info.value.param == "tensor_parallel_size"
-    # three groups of 64 over down_proj's 192 input features: a TP=2 shard of 96 rows splits one (found loading)
-    dense = build_checkpoint(tmp_path / "wide", "llama", intermediate_size=192)
-    coarse = write_rtn_checkpoint(dense, tmp_path / "awq64", group_size=64)
-    with pytest.raises(EngineError, match="down_proj: a shard of 96 of its 192 input features .* groups of 64"):
+    # three groups of 128 over down_proj's 384 input features: a TP=2 shard of 192 rows splits one (found loading)
+    dense = build_checkpoint(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=384)
+    coarse = write_rtn_checkpoint(dense, tmp_path / "awq128", group_size=128)
+    with pytest.raises(EngineError, match="down_proj: a shard of 192 of its 384 input features .* groups of 128"):
         LLM(str(coarse), device="cpu", tensor_parallel_size=2)
     assert not worker_processes(psutil.Process())  # the workers of the failed load were stopped
 
 
-def test_act_order_and_split_groups_are_refused_by_the_row_shard():
-    qweight = torch.zeros(64 // 8, 16, dtype=torch.int32)  # K = 64, N = 16
-    groups = torch.ones(64 // 32, 16)
-    weight = PackedInt4(qweight, groups, groups, 32, perm=torch.randperm(64))
+def test_act_order_and_split_blocks_are_refused_by_the_row_shard():
+    qweight = torch.zeros(128 // 8, 16, dtype=torch.int32)  # K = 128, N = 16
+    groups = torch.ones(128 // 32, 16)
+    weight = PackedInt4(qweight, groups, groups, 32, perm=torch.randperm(128))
     with pytest.raises(EngineError, match="act-order"):
-        weight.rows(0, 32, "down_proj")
+        weight.rows(0, 64, "down_proj")
     plain = PackedInt4(qweight, groups, groups, 32)
-    assert plain.rows(32, 64, "down_proj").in_features == 32
-    with pytest.raises(EngineError, match="groups of 32"):
-        plain.rows(16, 32, "down_proj")
+    assert plain.rows(64, 128, "down_proj").in_features == 64
+    with pytest.raises(EngineError, match="down_proj: a shard of 32 of its 128 input features .* 64-row blocks"):
+        plain.rows(32, 64, "down_proj")
+    coarse = PackedInt4(torch.zeros(256 // 8, 16, dtype=torch.int32), torch.ones(2, 16), torch.ones(2, 16), 128)
+    with pytest.raises(EngineError, match="groups of 128"):  # whole blocks, half a group
+        coarse.rows(0, 64, "down_proj")
 
 
 def test_serve_tp3_matches_offline_and_survives_a_dead_worker(default_model_dir, default_tp1):

@@ -9,6 +9,7 @@ import torch
 
 from engine.errors import EngineError
 from kernels.ops import Backend
+from kernels.reference import INT4_BLOCK
 
 if TYPE_CHECKING:
     from engine.parallel import TPGroup
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 class PackedInt4:
     """A 4-bit weight in the kernel layout of kernels/reference.py (one layout for AWQ and GPTQ).
 
-    qweight: [K // 8, N] int32; scales, zeros: [K // group_size, N] activation dtype;
+    qweight: [K // 8, N] int32 (K a multiple of ``INT4_BLOCK``); scales, zeros: [K // group_size, N] activation dtype;
     perm: [K] int64 or None (GPTQ act-order: rows reordered at load so groups are contiguous; y = x[:, perm] @ W).
     """
 
@@ -57,10 +58,10 @@ class PackedInt4:
         if self.perm is not None:
             raise EngineError(f"{name}: GPTQ act-order (desc_act) weights cannot be split across ranks; use "
                               "--tensor-parallel-size 1 or a build without act-order", param="tensor_parallel_size")
-        if start % 8 or end % 8:
+        if start % INT4_BLOCK or end % INT4_BLOCK:
             raise EngineError(f"{name}: a shard of {end - start} of its {self.in_features} input features is not a "
-                              "whole number of packed 8-row words; choose a --tensor-parallel-size that makes "
-                              f"{self.in_features} / size a multiple of 8", param="tensor_parallel_size")
+                              f"whole number of packed {INT4_BLOCK}-row blocks; choose a --tensor-parallel-size that "
+                              f"makes {self.in_features} / size a multiple of {INT4_BLOCK}", param="tensor_parallel_size")
         if self.scales.shape[0] == 1:  # one group over all of K
             return PackedInt4(self.qweight[start // 8:end // 8].contiguous(), self.scales, self.zeros, end - start)
         group = self.group_size

@@ -33,6 +33,7 @@ from engine.quant.formats import (
     require_group_size,
     unpack_nibbles,
 )
+from kernels.reference import INT4_BLOCK, rows_to_blocks
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds column 8c + AWQ_ORDER[i]
 _AWQ_UNORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j sits in nibble _AWQ_UNORDER[j]
@@ -90,7 +91,7 @@ class AWQMethod(QuantMethod):
                     dtype: torch.dtype) -> PackedInt4:
         group = self.effective_group(in_features)
         check_divisible(out_features, 8, "out_features", prefix, "AWQ")
-        check_divisible(in_features, 8, "in_features", prefix, "AWQ")
+        check_divisible(in_features, INT4_BLOCK, "in_features (the kernels' packed blocks)", prefix, "AWQ")
         check_divisible(in_features, group, f"in_features (group_size {self.group_size})", prefix, "AWQ")
         num_groups = in_features // group
         qweight = fetch(get_tensor, f"{prefix}.qweight", (in_features, out_features // 8), (torch.int32,), "AWQ")
@@ -98,4 +99,4 @@ class AWQMethod(QuantMethod):
         scales = fetch(get_tensor, f"{prefix}.scales", (num_groups, out_features), SCALE_DTYPES, "AWQ")
         codes = unpack_awq(qweight)  # [in, out]
         zeros = unpack_awq(qzeros)  # [in / G, out]
-        return PackedInt4(pack_rows(codes), scales.to(dtype), zeros.to(dtype), group)
+        return PackedInt4(rows_to_blocks(pack_rows(codes)), scales.to(dtype), zeros.to(dtype), group)

@@ -152,9 +152,15 @@ def unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def pack_rows(codes: torch.Tensor) -> torch.Tensor:
-    """[K, N] codes -> [K // 8, N] int32, nibble j of row r = row 8r + j (kernels/reference.py's ``pack_int4``)."""
+    """[K, N] codes -> [K // 8, N] int32, nibble j of row r = row 8r + j (GPTQ's qweight; the kernel layout is
+    ``kernels.reference.rows_to_blocks`` of it)."""
     k, n = codes.shape
     return pack_nibbles(codes.reshape(k // 8, 8, n), dim=1)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_rows``: [K // 8, N] int32 -> [K, N] int32."""
+    return unpack_nibbles(packed, dim=1).reshape(-1, packed.shape[1])
 
 
 def pack_cols(codes: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Per linear layer ``prefix``:
 
 - ``qweight`` int32 ``[in / 8, out]``: nibble ``j`` of ``qweight[r, n]`` is the code of input row ``8r + j``
-  (already Pagoda's row packing);
+  (the loader transposes the nibbles of each 8-word block into the kernels' layout, ``rows_to_blocks``);
 - ``qzeros`` int32 ``[n_groups, out / 8]``: zero-points packed along the output dimension, nibble ``j`` of
   ``qzeros[g, c]`` for column ``8c + j``. ``checkpoint_format`` "gptq" (v1, AutoGPTQ) stores ``zero - 1``
   (packed as the int32 value ``v2 - 0x11111111``, which is exactly nibble-wise ``zero - 1`` whenever every
@@ -39,8 +39,9 @@ from engine.quant.formats import (
     require_bits,
     require_group_size,
     unpack_cols,
+    unpack_rows,
 )
-from kernels.reference import unpack_int4
+from kernels.reference import INT4_BLOCK, rows_to_blocks
 
 FORMATS = ("gptq", "gptq_v2")
 V1_OFFSET = 0x11111111  # one added to each of the eight 4-bit zero-points of an int32
@@ -134,7 +135,7 @@ class GPTQMethod(QuantMethod):
     def load_linear(self, get_tensor: GetTensor, prefix: str, in_features: int, out_features: int,
                     dtype: torch.dtype) -> PackedInt4:
         group = self.group_for(prefix, in_features)
-        check_divisible(in_features, 8, "in_features", prefix, "GPTQ")
+        check_divisible(in_features, INT4_BLOCK, "in_features (the kernels' packed blocks)", prefix, "GPTQ")
         check_divisible(out_features, 8, "out_features", prefix, "GPTQ")
         num_groups = math.ceil(in_features / group)
         qweight = fetch(get_tensor, f"{prefix}.qweight", (in_features // 8, out_features), (torch.int32,), "GPTQ")
@@ -145,7 +146,8 @@ class GPTQMethod(QuantMethod):
         zeros = unpack_cols(qzeros)  # [n_groups, out]
         perm = self._act_order_perm(get_tensor, prefix, in_features, group)
         if perm is not None:
-            qweight = pack_rows(unpack_int4(qweight)[perm])  # rows sorted by group
+            qweight = pack_rows(unpack_rows(qweight)[perm])  # rows sorted by group
+        qweight = rows_to_blocks(qweight)
         scales, zeros, group = _whole_groups(scales, zeros, group, in_features)
         return PackedInt4(qweight, scales.to(dtype), zeros.to(dtype), group, perm)
 

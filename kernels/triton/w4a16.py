@@ -1,7 +1,8 @@
 """W4A16 matmul over packed int4 weights (AWQ/GPTQ after load-time repack): y = x @ dequant(qweight).
 
-Layout (kernels/reference.py): qweight [K // 8, N] int32, nibble j of row r is input row 8r + j; scales and
-zeros [K // G, N] in the activation dtype; w = (code - zero) * scale; optional ``perm`` gathers x's columns.
+Layout (kernels/reference.py): qweight [K // 8, N] int32 in blocks of 64 input rows, nibble j of packed row
+8b + w is input row 64b + 8j + w; scales and zeros [K // G, N] in the activation dtype; w = (code - zero) * scale;
+optional ``perm`` gathers x's columns. Group sizes are 32 or multiples of 64.
 Paths, picked by M (rows of x):
 - M <= 16, fp16/bf16, group size a multiple of 128: ``planes`` (kernels/triton/w4a16_planes.py), the packed
   words as tensor-core operands one nibble plane at a time, split-K reduced in the same launch.
@@ -9,7 +10,8 @@ Paths, picked by M (rows of x):
   them stream the packed weights; at M == 1 the last program of each column tile sums the fp32 partials in
   the same launch (the separate reduce took as long as the GEMV itself on SmolLM2's small matrices: 2.7 vs
   2.9 us a call, 120 calls per token), for 2..16 rows ``_splitk_reduce_kernel`` sums them. The packed tile
-  [BLOCK_K // 8, BLOCK_N] stays in registers: nibble j of packed row r meets input row 8r + j (``J_LOOP``).
+  [BLOCK_K // 8, BLOCK_N] stays in registers: nibble j of every packed row meets its input rows (``J_LOOP``,
+  ``_plane_rows``).
   M == 1 uses fp32 FMAs (``_gemv_m1_kernel``); 2..16 rows one 16-row ``tl.dot`` per nibble with the scale
   applied once per group after the sum.
 - 16 < M <= ``MMA_MAX_M``, fp16/bf16, group size a multiple of 128: ``mma`` (kernels/triton/w4a16_mma.py), the
@@ -18,8 +20,10 @@ Paths, picked by M (rows of x):
   tile in registers, dequantizes it and feeds ``tl.dot``. Autotuned over a few configs per (M bucket, N, K).
 - M >= ``DEQUANT_MIN_M`` where ``mma`` does not apply: dequantize once to a dense buffer and use torch.matmul
   (cuBLAS): measured faster than the fused tiles from M = 256 up (BENCHMARKS.md, Kernels).
-Codes become floats without int->float converts (``_codes_to``), and every K step lies inside one
-quantization group (BLOCK_K <= G and G % BLOCK_K == 0), so a step needs one row of scales and zeros.
+Codes become floats without int->float converts (``_codes_to``). A K step is whole 64-row blocks inside one
+quantization group (G % BLOCK_K == 0), so a step needs one row of scales and zeros, except for G = 32: a step is
+then one block of two groups, nibbles 0-3 in the first and 4-7 in the second (``GROUP32``), and each nibble
+plane (or each unpacked row) takes its own group's row.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import INT4_BLOCK
 from kernels.triton.common import (
     autotune_disk_cache,
     cdiv,
@@ -66,13 +71,20 @@ def _codes_to(codes, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _plane_rows(k0, rr, j):
+    # input rows met by nibble j of the step's packed rows rr (0 .. BLOCK_K // 8 - 1): 64b + 8j + w, rr = 8b + w
+    return k0 + (rr // 8) * 64 + 8 * j + rr % 8
+
+
+@triton.jit
 def _load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    # packed rows [k0 // 8, k0 // 8 + BLOCK_K // 8) x columns rn -> int codes [BLOCK_K, BLOCK_N]
+    # packed rows [k0 // 8, k0 // 8 + BLOCK_K // 8) x columns rn -> int codes [BLOCK_K, BLOCK_N] in input-row order
     rp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     qw = tl.load(qw_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
-    codes = (qw[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K // 8, 8, BLOCK_N]
-    return tl.reshape(codes, (BLOCK_K, BLOCK_N))  # row 8r + j = nibble j of packed row r
+    codes = (qw[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K // 8, 8, BLOCK_N]: [8b + w, j]
+    codes = tl.permute(tl.reshape(codes, (BLOCK_K // 64, 8, 8, BLOCK_N)), (0, 2, 1, 3))  # [b, j, w, n]
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))  # row 64b + 8j + w
 
 
 @triton.jit
@@ -81,6 +93,16 @@ def _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, DTYPE: t
     g = (k0 // group_size).to(tl.int64)
     s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0).to(DTYPE)
     z = tl.load(zeros_ptr + g * N + rn, mask=n_mask, other=0.0).to(DTYPE)
+    return s, z
+
+
+@triton.jit
+def _row_group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K: tl.constexpr,
+                      DTYPE: tl.constexpr):
+    # scales and zeros [BLOCK_K, BLOCK_N] of each input row of the step at k0 (G = 32: two groups a step)
+    g = ((k0 + tl.arange(0, BLOCK_K)) // group_size).to(tl.int64)[:, None] * N + rn[None, :]
+    s = tl.load(scales_ptr + g, mask=n_mask[None, :], other=0.0).to(DTYPE)
+    z = tl.load(zeros_ptr + g, mask=n_mask[None, :], other=0.0).to(DTYPE)
     return s, z
 
 
@@ -97,9 +119,13 @@ def _dequant_tile(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr,
+    GROUP32: tl.constexpr,
 ):
     # -> dequantized [BLOCK_K, BLOCK_N] in DTYPE, rounded like the reference: (code - zero) * scale in DTYPE
     codes = _codes_to(_load_codes(qw_ptr, k0, rn, n_mask, N, BLOCK_K, BLOCK_N), DTYPE)
+    if GROUP32:
+        s, z = _row_group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, DTYPE)
+        return (codes - z) * s
     s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, DTYPE)
     return (codes - z[None, :]) * s[None, :]
 
@@ -133,7 +159,7 @@ def _prune(configs, named_args, **kwargs):
         if c.kwargs["BLOCK_M"] not in want:
             continue
         bk = c.kwargs["BLOCK_K"]
-        while group % bk:
+        while bk > 64 and group % bk:  # whole 64-row blocks; G = 32 takes two groups a step (GROUP32)
             bk //= 2
         kw = {**c.kwargs, "BLOCK_K": bk}
         key = (tuple(sorted(kw.items())), c.num_warps, c.num_stages)
@@ -170,11 +196,13 @@ def _w4a16_kernel(
     SPLIT: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
     J_LOOP: tl.constexpr,
+    GROUP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # x [M, K] @ W [K, N]; grid = (m tiles * n tiles, splits); out [M, N] or fp32 partials [splits, M, N]
+    # x [M, K] @ W [K, N]; grid = (m tiles * n tiles, splits); out [M, N] or fp32 partials [splits, M, N].
+    # SCALE_AFTER needs the step in one group (not GROUP32)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -193,21 +221,28 @@ def _w4a16_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         if J_LOOP:
             # no unpack-reshape: the packed tile [BLOCK_K // 8, BLOCK_N] stays in registers and nibble j of
-            # every packed row meets input rows 8r + j, one tl.dot (K = BLOCK_K // 8) per nibble
+            # every packed row meets its input rows, one tl.dot (K = BLOCK_K // 8) per nibble; GROUP32: each
+            # plane scaled by its own group (planes 0-3 and 4-7 of a block are two groups)
             rp = k0 // 8 + rr
             qw = tl.load(qw_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0)
             s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, tl.float32)
             xc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             x_sum = tl.zeros([BLOCK_M], tl.float32)
             for j in tl.static_range(8):
-                kx = k0 + rr * 8 + j
+                kx = _plane_rows(k0, rr, j)
                 if HAS_PERM:
                     kx = tl.load(perm_ptr + kx)
                 xj = tl.load(x_rows + kx[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K // 8]
                 c = _codes_to((qw >> (4 * j)) & 0xF, dtype)  # [BLOCK_K // 8, BLOCK_N]
-                xc = tl.dot(xj, c, xc)
-                x_sum += tl.sum(xj.to(tl.float32), axis=1)
-            acc += (xc - x_sum[:, None] * z[None, :]) * s[None, :]
+                if GROUP32:
+                    s, z = _group_params(scales_ptr, zeros_ptr, k0 + 8 * j, rn, n_mask, N, group_size, tl.float32)
+                    part = tl.dot(xj, c)
+                    acc += (part - tl.sum(xj.to(tl.float32), axis=1)[:, None] * z[None, :]) * s[None, :]
+                else:
+                    xc = tl.dot(xj, c, xc)
+                    x_sum += tl.sum(xj.to(tl.float32), axis=1)
+            if not GROUP32:
+                acc += (xc - x_sum[:, None] * z[None, :]) * s[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             if HAS_PERM:
@@ -223,7 +258,7 @@ def _w4a16_kernel(
                 acc += (xc - x_sum[:, None] * z[None, :]) * s[None, :]
             else:
                 w = _dequant_tile(
-                    qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N, dtype
+                    qw_ptr, scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, BLOCK_K, BLOCK_N, dtype, GROUP32
                 )
                 acc = tl.dot(x, w, acc)
     mask = m_mask[:, None] & n_mask[None, :]
@@ -254,10 +289,12 @@ def _gemv_m1_kernel(
     SPLIT: tl.constexpr,
     SERIAL: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
+    GROUP32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     # x [1, K] @ W [K, N] without tensor cores, fp32 FMAs into a [BLOCK_K, BLOCK_N] register tile.
+    # GROUP32: each nibble plane takes its own group's scales (SCALE_AFTER needs one group a step)
     # SPLIT: out is fp32 partials [splits, N]; SERIAL: the last program of a column tile to finish sums them
     # into final [N] (arrival counters as in w4a16_planes.py), so no second kernel runs
     pid_n = tl.program_id(0)
@@ -270,14 +307,16 @@ def _gemv_m1_kernel(
     acc = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
     y = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        # packed tile [BLOCK_K // 8, BLOCK_N] stays in registers; nibble j of packed row r is input row 8r + j
+        # packed tile [BLOCK_K // 8, BLOCK_N] stays in registers; nibble j meets input rows _plane_rows(k0, rr, j)
         rp = k0 // 8 + rr
         qw = tl.load(qw_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0)
         s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, tl.float32)
         xc = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
         x_sum = tl.zeros([BLOCK_K // 8], tl.float32)
         for j in tl.static_range(8):
-            kx = k0 + rr * 8 + j
+            kx = _plane_rows(k0, rr, j)
+            if GROUP32:
+                s, z = _group_params(scales_ptr, zeros_ptr, k0 + 8 * j, rn, n_mask, N, group_size, tl.float32)
             if HAS_PERM:
                 kx = tl.load(perm_ptr + kx)
             xj = tl.load(x_ptr + kx).to(tl.float32)  # [BLOCK_K // 8]
@@ -328,17 +367,17 @@ def _dequant_kernel(
     qw = tl.load(
         qw_ptr + (k0 // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :], mask=n_mask[None, :], other=0
     )
-    s, z = _group_params(scales_ptr, zeros_ptr, k0, rn, n_mask, N, group_size, dtype)
     for j in tl.static_range(8):
-        w = (_codes_to((qw >> (4 * j)) & 0xF, dtype) - z[None, :]) * s[None, :]  # rows 8r + j
-        rows = (k0 + rr * 8 + j).to(tl.int64)
+        s, z = _group_params(scales_ptr, zeros_ptr, k0 + 8 * j, rn, n_mask, N, group_size, dtype)  # G = 32: 2 a step
+        w = (_codes_to((qw >> (4 * j)) & 0xF, dtype) - z[None, :]) * s[None, :]
+        rows = _plane_rows(k0, rr, j).to(tl.int64)
         tl.store(w_ptr + rows[:, None] * N + rn[None, :], w, mask=n_mask[None, :])
 
 
 def _k_unit(group_size: int) -> int:
-    """Largest power of two <= 128 dividing the group size: every BLOCK_K divides it, and splits cover whole
-    units, so each K step stays inside one group."""
-    return largest_pow2_divisor(group_size, 128)
+    """Largest power of two <= 128 dividing the group size, at least one 64-row block: every BLOCK_K divides it,
+    and splits cover whole units, so each K step stays inside one group (G = 32: one block of two groups)."""
+    return max(INT4_BLOCK, largest_pow2_divisor(group_size, 128))
 
 
 def gemv_config(m: int, n: int, k: int, group_size: int, sms: int) -> dict:
@@ -347,10 +386,10 @@ def gemv_config(m: int, n: int, k: int, group_size: int, sms: int) -> dict:
         return {
             "kernel": "m1" if m == 1 else "dot",
             "BLOCK_N": 16,
-            "BLOCK_K": min(32, group_size),
+            "BLOCK_K": INT4_BLOCK,
             "num_warps": 1,
             "num_stages": 1,
-            "split": max(1, min(2, k // min(32, group_size))),
+            "split": max(1, min(2, k // INT4_BLOCK)),
         }
     block_k = _k_unit(group_size)
     block_n = 64 if m == 1 or n <= 8192 else 128
@@ -375,7 +414,7 @@ def dequantize(
     # qweight [K // 8, N] int32 -> dense [K, N] in scales' dtype
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     w = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
-    block_k = min(32, group_size) if interpreting() else _k_unit(group_size)
+    block_k = INT4_BLOCK if interpreting() else _k_unit(group_size)
     block_n = 32 if interpreting() else 64
     _dequant_kernel[(k // block_k, cdiv(n, block_n))](
         qweight, scales, zeros, w, n, group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4
@@ -404,8 +443,9 @@ def w4a16_matmul(
             f"w4a16_matmul: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
             f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group_size} disagree"
         )
-    if k % group_size or (group_size % 32 and group_size != k) or k % 32:
-        raise ValueError(f"w4a16_matmul: K={k} and group size {group_size} must be multiples of 32")
+    if k % group_size or k % INT4_BLOCK or (group_size % INT4_BLOCK and group_size != 32):
+        raise ValueError(f"w4a16_matmul: K={k} must be a multiple of {INT4_BLOCK} and of the group size "
+                         f"{group_size}, which must be 32 or a multiple of {INT4_BLOCK}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"w4a16_matmul: unsupported activation dtype {x.dtype}")
     if x.stride(-1) != 1:
@@ -469,22 +509,23 @@ def _gemv(x, args, out, m, n, k, group_size, has_perm, cfg):
     """M <= 16: returns (fp32 partials, splits) when split-K needs a reduce, else None."""
     kind, split = cfg.pop("kernel"), cfg.pop("split")
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], _k_unit(group_size))
+    group32 = group_size < cfg["BLOCK_K"]  # a step of one 64-row block holds two 32-row groups
     k_per_split, split = split_k(k, _k_unit(group_size), split)
     dst = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     if kind == "m1" and m == 1:
         tiles = cdiv(n, cfg["BLOCK_N"])
-        cfg.setdefault("SCALE_AFTER", False)
+        cfg["SCALE_AFTER"] = cfg.get("SCALE_AFTER", False) and not group32
         serial = cfg.pop("serial", True) and 1 < split <= LOCK_PERIOD.value
         lock = lock_buffer(args[0], tiles, reuse=True) if serial else dst
         _gemv_m1_kernel[(tiles, split)](
             x, *args, dst, out, lock, n, k, group_size, k_per_split, split, LOCK_PERIOD.value - split,
-            HAS_PERM=has_perm, SPLIT=split > 1, SERIAL=serial, **cfg
+            HAS_PERM=has_perm, SPLIT=split > 1, SERIAL=serial, GROUP32=group32, **cfg
         )
         if serial:
             return None
     else:
         cfg.setdefault("BLOCK_M", 16)
-        cfg.setdefault("SCALE_AFTER", True)
+        cfg["SCALE_AFTER"] = cfg.get("SCALE_AFTER", True) and not group32
         cfg.setdefault("J_LOOP", cfg["BLOCK_K"] >= 128 or interpreting())  # tl.dot needs K >= 16 on GPUs
         grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
         launch(
@@ -504,6 +545,7 @@ def _gemv(x, args, out, m, n, k, group_size, has_perm, cfg):
             group_size,
             HAS_PERM=has_perm,
             SPLIT=split > 1,
+            GROUP32=group32,
             config=cfg,
         )
     return (dst, split) if split > 1 else None
@@ -520,11 +562,7 @@ def _tc(x, args, out, m, n, k, group_size, has_perm, sms):
     def grid(meta):
         return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
 
-    fixed = (
-        {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": min(32, group_size), "num_warps": 4}
-        if interpreting()
-        else None
-    )
+    fixed = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": INT4_BLOCK, "num_warps": 4} if interpreting() else None
     launch(
         _w4a16_kernel,
         grid,
@@ -544,6 +582,7 @@ def _tc(x, args, out, m, n, k, group_size, has_perm, sms):
         SPLIT=split > 1,
         SCALE_AFTER=False,
         J_LOOP=False,
+        GROUP32=group_size == 32,
         config=fixed,
     )
     return (dst, split) if split > 1 else None

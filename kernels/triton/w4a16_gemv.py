@@ -8,14 +8,19 @@ in packed half2 arithmetic:
 
 - word -> 4 half2 registers (four LOP3s and one shift: the nibbles ORed into the mantissa of 1024, the odd
   ones in place as 1024 + 16 code), taken to ``code - zero`` (exact, small integers) by a subtraction or an FMA
-  by 1/16, times the x pairs (x[8r + j], x[8r + j + 4]) in fp16 FMAs: one fp32 partial per word, scaled per
-  group in fp32. Zero points must be integers (every AWQ/GPTQ checkpoint's are; ``PackedInt4.zeros_are_integers``).
+  by 1/16, times the x pairs (x[64b + 8j + w], x[64b + 8j + 32 + w]) of packed row 8b + w (kernels/reference.py's
+  layout: nibble j is input row 64b + 8j + w) in fp16 FMAs: one fp32 partial per word, scaled per group in fp32.
+  The halves of a half2 are rows 32 apart, so at group size 32 (SmolLM2's AWQ) each half is a group of its own:
+  the word's two halves are summed apart and each scaled by its group's scale. Zero points must be integers
+  (every AWQ/GPTQ checkpoint's are; ``PackedInt4.zeros_are_integers``).
 - A large matrix's tile is 128 columns a warp: each thread holds 4 adjacent columns of a packed row (one 16-byte
-  load), so each row's x pairs serve 4 words (22 SASS instructions a word, ``bench/gemv_sass.py``).
+  load), so each row's x pairs serve 4 words (22.4 SASS instructions a word, ``bench/gemv_sass.py``; 23.6 at
+  group size 32, whose K step, one 64-row block, has one scale row per half).
 - Split-K sized from the SM count; the last program to arrive for a column tile sums the partials and runs the
   epilogue (kernels/triton/split_k.py: no second kernel, no memset, CUDA-graph safe).
-- Activations: x is read as 32-bit words (two fp16 each) and each packed row's four pairs (x[8r + j],
-  x[8r + j + 4]) are two bit operations on them. Gathering the pairs element by element cost ~60 of the ~86
+- Activations: x is read as 32-bit words (two fp16 each) and each packed row's four pairs are a byte permute
+  (PRMT) of two words each: x[64b + 8j + w] is half w % 2 of word 32b + 4j + w // 2, so rows w and w + 1 of a
+  block share their 8 words. Gathering the pairs element by element cost ~60 of the ~86
   instructions a packed word took (SASS of the main loop), so the loop was issue-bound, not memory-bound.
 - Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own. 1 / rms is a
   scalar of the row: the loop multiplies the words of x and the norm weight in half2; each split program
@@ -58,15 +63,48 @@ ROPE: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
-def _word_dot(qw, x04, x15, x26, x37, zz, zm, USE_ASM: tl.constexpr):
-    """sum_j x[8r + j] * (code_j - zero) of each packed word, in fp32.
+def _word_dot(qw, x04, x15, x26, x37, zz, zm, TWO_GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
+    """sum_j x_j * (code_j - zero) over the 8 nibbles of each packed word, in fp32; with TWO_GROUPS the sums of
+    its low nibbles (0-3) and its high ones (4-7) apart, as a tuple.
 
-    qw: packed words [R, BN] int32; x04 .. x37: half2 pairs (x[8r + j] low, x[8r + j + 4] high) as int32 [R, 1];
-    zz: half2 (1024 + zero) and zm: half2 -(64 + zero), as int32 [1, BN].
+    qw: packed words [R, BN] int32; x04 .. x37: half2 pairs (x of nibble j low, x of nibble j + 4 high), j = 0..3,
+    as int32 [R, 1]; zz: half2 (1024 + zero) and zm: half2 -(64 + zero), as int32 [R or 1, BN], each half the
+    zero of its nibbles' rows.
     Nibbles j and j + 4 (j even) land in a half2 as 1024 + code with one LOP3; nibbles j + 1 and j + 5 are taken
     in place, 16 x code, as 1024 + 16 code, and one FMA by 1/16 takes them to code - zero: 8 codes need one
-    shift (Marlin's trick), not three."""
-    if USE_ASM:
+    shift (Marlin's trick), not three. Nibbles j and j + 4 are input rows 32 apart (kernels/reference.py), so at
+    group size 32 the two halves of every half2 are two groups, each to be scaled by its own group's scale:
+    TWO_GROUPS then returns the halves unsummed."""
+    if USE_ASM and TWO_GROUPS:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a, b, c, d, t, acc, sixteenth;
+            .reg .b16 lo, hi;
+            mov.b32 sixteenth, 0x2C002C00;
+            lop3.b32 a, $2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 b, $2, 0x00F000F0, 0x64006400, 0xEA;
+            shr.u32 t, $2, 8;
+            lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
+            sub.f16x2 a, a, $7;
+            fma.rn.f16x2 b, b, sixteenth, $8;
+            sub.f16x2 c, c, $7;
+            fma.rn.f16x2 d, d, sixteenth, $8;
+            mul.rn.f16x2 acc, a, $3;
+            fma.rn.f16x2 acc, b, $4, acc;
+            fma.rn.f16x2 acc, c, $5, acc;
+            fma.rn.f16x2 acc, d, $6, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 $0, lo;
+            cvt.f32.f16 $1, hi;
+            }""",
+            constraints="=r,=r,r,r,r,r,r,r,r",
+            args=[qw, x04, x15, x26, x37, zz, zm],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    elif USE_ASM:
         return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 a, b, c, d, t, acc, sixteenth;
@@ -97,9 +135,11 @@ def _word_dot(qw, x04, x15, x26, x37, zz, zm, USE_ASM: tl.constexpr):
             is_pure=True,
             pack=1,
         )
-    else:  # the interpreter has no inline asm: the same sum in fp32
-        z = (zz & 0xF).to(tl.float32)
-        total = tl.zeros(qw.shape, tl.float32)
+    else:  # the interpreter has no inline asm: the same sums in fp32
+        z_lo = (zz & 0xF).to(tl.float32)
+        z_hi = ((zz >> 16) & 0xF).to(tl.float32)
+        low = tl.zeros(qw.shape, tl.float32)
+        high = tl.zeros(qw.shape, tl.float32)
         for j in tl.static_range(4):
             if j == 0:
                 pair = x04
@@ -113,8 +153,11 @@ def _word_dot(qw, x04, x15, x26, x37, zz, zm, USE_ASM: tl.constexpr):
             x_hi = _half_to_f32((pair >> 16) & 0xFFFF)
             c_lo = ((qw >> (4 * j)) & 0xF).to(tl.float32)
             c_hi = ((qw >> (4 * j + 16)) & 0xF).to(tl.float32)
-            total += x_lo * (c_lo - z) + x_hi * (c_hi - z)
-        return total
+            low += x_lo * (c_lo - z_lo)
+            high += x_hi * (c_hi - z_hi)
+        if TWO_GROUPS:
+            return low, high
+        return low + high
 
 
 @triton.jit
@@ -171,9 +214,10 @@ def _x_column(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM: tl.constexpr):
 
 @triton.jit
 def _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM: tl.constexpr):
-    # half2 (x[perm[cols]], x[perm[cols + 4]]) as int32 [R]: act-order reads x element by element
+    # half2 (x[perm[cols]], x[perm[cols + 32]]) as int32 [R]: act-order reads x element by element (nibbles j and
+    # j + 4 of a word are input rows 32 apart)
     lo = _x_column(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM)
-    hi = _x_column(x_ptr, norm_ptr, perm_ptr, cols + 4, row_live, NORM)
+    hi = _x_column(x_ptr, norm_ptr, perm_ptr, cols + 32, row_live, NORM)
     return _half_bits(lo) | (_half_bits(hi) << 16)
 
 
@@ -189,33 +233,47 @@ def _hmul2(a, b, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _pair(lo_word, hi_word, HIGH: tl.constexpr, USE_ASM: tl.constexpr):
-    # half2 (low or high half of lo_word, the same half of hi_word) as int32: one byte permute (PRMT)
+def _pair(lo_word, hi_word, high, USE_ASM: tl.constexpr):
+    # half2 (low or high half of lo_word, the same half of hi_word) as int32, the half chosen per element by
+    # ``high`` (0 or 1, int32): one byte permute (PRMT) whose selector, 0x5410 or 0x7632, is a constant where
+    # ptxas can fold it (a large matrix's rows all sit in each thread) and one register otherwise
     if USE_ASM:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, " + ("0x7632;" if HIGH else "0x5410;"), "=r,r,r",
-                                         [lo_word, hi_word], dtype=tl.int32, is_pure=True, pack=1)
-    if HIGH:
-        return ((lo_word >> 16) & 0xFFFF) | (hi_word & -65536)  # -65536: 0xFFFF0000 as int32
-    return (lo_word & 0xFFFF) | (hi_word << 16)
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [lo_word, hi_word, 0x5410 + high * 0x2222], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    low = (lo_word & 0xFFFF) | (hi_word << 16)
+    return tl.where(high != 0, ((lo_word >> 16) & 0xFFFF) | (hi_word & -65536), low)  # -65536: 0xFFFF0000
 
 
 @triton.jit
-def _x_word_pairs(xw_ptr, nw_ptr, rows, row_live, NORM: tl.constexpr, USE_ASM: tl.constexpr):
-    # the four half2 pairs (x[8r + j], x[8r + j + 4]), j = 0..3, of packed rows r [R] from x's 32-bit words
-    # [K / 2] (word 4r + i holds x[8r + 2i], x[8r + 2i + 1]); with NORM, x times the norm weight in half2.
-    # Rows not ``row_live`` read as zeros. Four loads of [R] words: one [R, 4] load split into columns went
-    # through shared memory (a layout change)
-    w0 = tl.load(xw_ptr + rows * 4, mask=row_live, other=0)
-    w1 = tl.load(xw_ptr + rows * 4 + 1, mask=row_live, other=0)
-    w2 = tl.load(xw_ptr + rows * 4 + 2, mask=row_live, other=0)
-    w3 = tl.load(xw_ptr + rows * 4 + 3, mask=row_live, other=0)
+def _x_word_pair(xw_ptr, nw_ptr, offs, high, row_live, NORM: tl.constexpr, USE_ASM: tl.constexpr):
+    # one pair of _x_word_pairs: half ``high`` of x words offs (low) and offs + 16 (high), [R] each
+    lo = tl.load(xw_ptr + offs, mask=row_live, other=0)
+    hi = tl.load(xw_ptr + offs + 16, mask=row_live, other=0)
     if NORM:
-        w0 = _hmul2(w0, tl.load(nw_ptr + rows * 4, mask=row_live, other=0), USE_ASM)
-        w1 = _hmul2(w1, tl.load(nw_ptr + rows * 4 + 1, mask=row_live, other=0), USE_ASM)
-        w2 = _hmul2(w2, tl.load(nw_ptr + rows * 4 + 2, mask=row_live, other=0), USE_ASM)
-        w3 = _hmul2(w3, tl.load(nw_ptr + rows * 4 + 3, mask=row_live, other=0), USE_ASM)
-    return (_pair(w0, w2, False, USE_ASM), _pair(w0, w2, True, USE_ASM), _pair(w1, w3, False, USE_ASM),
-            _pair(w1, w3, True, USE_ASM))
+        lo = _hmul2(lo, tl.load(nw_ptr + offs, mask=row_live, other=0), USE_ASM)
+        hi = _hmul2(hi, tl.load(nw_ptr + offs + 16, mask=row_live, other=0), USE_ASM)
+    return _pair(lo, hi, high, USE_ASM)
+
+
+@triton.jit
+def _x_word_pairs(xw_ptr, nw_ptr, k0, rr, row_live, NORM: tl.constexpr, USE_ASM: tl.constexpr):
+    # the four half2 pairs (x[64b + 8j + w], x[64b + 8j + 32 + w]), j = 0..3, that nibbles j and j + 4 of packed
+    # row k0 / 8 + rr [R] multiply (row w = rr % 8 of 64-row block b), from x's 32-bit words [K / 2]: x[64b + 8j + w]
+    # is half w % 2 of word 32b + 4j + w // 2, its partner the same half of word 32b + 4j + 16 + w // 2; with NORM,
+    # x times the norm weight in half2. Rows not ``row_live`` read as zeros. k0 is a multiple of 64, so the step's
+    # offset is added once (a scalar) and the rows' offsets in it are constants: rows w and w + 1 then load the same
+    # words, and where one thread holds both the loads merge (8 loads and 8 PRMTs per two rows, as a row of
+    # words 4r .. 4r + 3 took in GPTQ's order); offsets from each row's global index took 29.2 instructions a
+    # word instead of 23.2. [R] loads, not one [R, 4] split into columns: that went through shared memory
+    xw_ptr += k0 // 2
+    nw_ptr += k0 // 2
+    offs = rr // 8 * 32 + rr % 8 // 2  # [R] word of pair 0
+    high = rr % 2
+    return (_x_word_pair(xw_ptr, nw_ptr, offs, high, row_live, NORM, USE_ASM),
+            _x_word_pair(xw_ptr, nw_ptr, offs + 4, high, row_live, NORM, USE_ASM),
+            _x_word_pair(xw_ptr, nw_ptr, offs + 8, high, row_live, NORM, USE_ASM),
+            _x_word_pair(xw_ptr, nw_ptr, offs + 12, high, row_live, NORM, USE_ASM))
 
 
 @triton.jit
@@ -300,51 +358,105 @@ def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_pt
 
 
 @triton.jit
+def _zero_terms(z_low, z_high, USE_ASM: tl.constexpr):
+    # the half2 zero terms (1024 + zero, -(64 + zero)) as int32 of the zeros (fp16 integers 0..15) of a word's
+    # low and high nibbles: one pack and two half2 ops (both exact), where converting each zero took ~6
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 z, c;
+            mov.b32 z, {$2, $3};
+            mov.b32 c, 0x64006400;
+            add.f16x2 $0, z, c;
+            mov.b32 c, 0xD400D400;
+            sub.f16x2 $1, c, z;
+            }""",
+            constraints="=r,=r,h,h",
+            args=[z_low, z_high],
+            dtype=(tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    zz_low = z_low.to(tl.int32) | 0x6400  # fp16 bits of 1024 + zero
+    zz_high = z_high.to(tl.int32) | 0x6400
+    zm_low = _half_bits((-64.0 - z_low.to(tl.float32)).to(tl.float16))
+    zm_high = _half_bits((-64.0 - z_high.to(tl.float32)).to(tl.float16))
+    return zz_low | (zz_high << 16), zm_low | (zm_high << 16)
+
+
+@triton.jit
 def _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0, k_end, rows, rn, n_mask, N, GROUP: tl.constexpr,
-                 ROW_GROUPS: tl.constexpr, MASK_ROWS: tl.constexpr):
-    # the packed words [R, BN] of the K step at k0 (qw_ptrs point at them), its scales (fp32) and the half2 zero
-    # terms (1024 + zero, -(64 + zero)) as int32, [R, BN] when the step spans several groups, else [1, BN].
+                 ROW_GROUPS: tl.constexpr, TWO_GROUPS: tl.constexpr, MASK_ROWS: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    # the packed words [R, BN] of the K step at k0 (qw_ptrs point at them), its scales, a second scale and the
+    # half2 zero terms (1024 + zero, -(64 + zero)) as int32, [R, BN] when the step's blocks lie in different
+    # groups, else [1, BN]. TWO_GROUPS (a group of 32 rows, or any that is not whole 64-row blocks): a packed row's
+    # nibbles 0-3 (its block's first 32 rows) and 4-7 (the next 32) may lie in two groups, so each half of the
+    # zero terms holds its own zero and the two scales are returned as loaded, fp16 (converted where used, from
+    # the halves of the loaded registers: fp32 copies held a one-step plan's whole K twice); otherwise the scale
+    # is fp32 and the second one 0.0, unused.
     # A step lies wholly inside or wholly past its split (k_per_split is a whole number of steps), so one
     # scalar masks the load of the step after the last; with MASK_ROWS (a split's whole K in one step wider
-    # than it) each row is masked to the split's end
+    # than it) each row is masked to the split's end: a split is whole 64-row blocks and packed row p is in
+    # block p // 8, so it is live when its block starts before the end, 8p < k_end
     live = (n_mask & ((k0 + rn * 0) < k_end))[None, :]  # (a tensor mask: the interpreter mistypes scalar-bool & tensor)
     if MASK_ROWS:
         live = live & (rows * 8 < k_end)[:, None]
     qw = tl.load(qw_ptrs, mask=live, other=0, eviction_policy="evict_first")
     if ROW_GROUPS:
-        g = (rows * 8 // GROUP)[:, None] * N + rn[None, :]  # [R, BN]
-    else:
+        first = rows // 8 * 64  # the first input row of each packed row's block
+        g = (first // GROUP)[:, None] * N + rn[None, :]  # [R, BN]
+        g_high = ((first + 32) // GROUP)[:, None] * N + rn[None, :]  # its second 32 rows' group
+    else:  # the step is one block (TWO_GROUPS) or inside one group
         g = (k0 // GROUP) * N + rn[None, :]  # [1, BN]
-    s = tl.load(scales_ptr + g, mask=live, other=0.0).to(tl.float32)
+        g_high = ((k0 + 32) // GROUP) * N + rn[None, :]
+    s = tl.load(scales_ptr + g, mask=live, other=0.0)
     z = tl.load(zeros_ptr + g, mask=live, other=0.0)
-    zz = z.to(tl.int32) | 0x6400  # fp16 bits of 1024 + zero (an integer 0..15)
-    zm = _half_bits((-64.0 - z.to(tl.float32)).to(tl.float16))
-    return qw, s, zz | (zz << 16), zm | (zm << 16)
+    if TWO_GROUPS:
+        s_high = tl.load(scales_ptr + g_high, mask=live, other=0.0)
+        zz, zm = _zero_terms(z, tl.load(zeros_ptr + g_high, mask=live, other=0.0), USE_ASM)
+    else:  # (g_high is g: unused)
+        s = s.to(tl.float32)
+        s_high = 0.0
+        zz, zm = _zero_terms(z, z, USE_ASM)
+    return qw, s, s_high, zz, zm
 
 
 @triton.jit
-def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
-              USE_ASM: tl.constexpr, MASK_ROWS: tl.constexpr, ROW_GROUPS: tl.constexpr):
-    # the K step at k0: sum over its packed rows r of x[8r .. 8r + 7] . (codes - zero) * scale, fp32 [BN];
+def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, NORM: tl.constexpr, HAS_PERM: tl.constexpr,
+              USE_ASM: tl.constexpr, MASK_ROWS: tl.constexpr, ROW_GROUPS: tl.constexpr, TWO_GROUPS: tl.constexpr):
+    # the K step at k0 (a multiple of 64): sum over its packed rows of x . (codes - zero) * scale, fp32 [BN];
     # with MASK_ROWS, rows past k_end read x as zeros (their weights and scales are masked to zero too)
     if MASK_ROWS:
         row_live = k0 + rr * 8 < k_end
     else:  # a constant mask: folded away
         row_live = tl.full(rr.shape, 1, tl.int1)
     if HAS_PERM:
-        cols = k0 + rr * 8
+        cols = k0 + rr // 8 * 64 + rr % 8  # the input row of nibble 0 of each packed row (block rr // 8, row rr % 8)
         x04 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM)
-        x15 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 1, row_live, NORM)
-        x26 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 2, row_live, NORM)
-        x37 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 3, row_live, NORM)
+        x15 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 8, row_live, NORM)
+        x26 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 16, row_live, NORM)
+        x37 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 24, row_live, NORM)
     else:
         x04, x15, x26, x37 = _x_word_pairs(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
-                                           norm_ptr.to(tl.pointer_type(tl.int32), bitcast=True), k0 // 8 + rr,
+                                           norm_ptr.to(tl.pointer_type(tl.int32), bitcast=True), k0, rr,
                                            row_live, NORM, USE_ASM)
-    dots = _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, USE_ASM)  # [R, BN]
-    if ROW_GROUPS:  # a scale per packed row
-        return tl.sum(dots * s, axis=0)
-    return tl.sum(dots, axis=0) * tl.sum(s, axis=0)  # one scale a column (s [1, BN]): rows first, one multiply
+    dots = _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, TWO_GROUPS,
+                     USE_ASM)  # [R, BN], or its low and high halves' sums with TWO_GROUPS
+    # (one return: Triton 3.6 compiles on past a return in a taken constexpr branch)
+    if TWO_GROUPS:  # each half by its group's scale
+        low, high = dots
+        s_low = s.to(tl.float32)
+        s_high = s_high.to(tl.float32)
+        if ROW_GROUPS:
+            total = tl.sum(low * s_low + high * s_high, axis=0)
+        else:  # one pair of scales a column: rows first, two multiplies
+            total = tl.sum(low, axis=0) * tl.sum(s_low, axis=0) + tl.sum(high, axis=0) * tl.sum(s_high, axis=0)
+    elif ROW_GROUPS:  # a scale per packed row
+        total = tl.sum(dots * s, axis=0)
+    else:  # one scale a column (s [1, BN]): rows first, one multiply
+        total = tl.sum(dots, axis=0) * tl.sum(s, axis=0)
+    return total
 
 
 @triton.jit
@@ -392,22 +504,29 @@ def _gemv_kernel(
     ONE_STEP: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. ONE_STEP: each
-    # program's split is one K step of BLOCK_K >= k_per_split rows (masked past it), all loaded at once
+    # program's split is one K step of BLOCK_K >= k_per_split rows (masked past it), all loaded at once; its tile
+    # spreads the rows over the warps, a thread holding rows R / 2 apart among others, so those are made packed
+    # rows 2i and 2i + 1: one block's pair, which share their scales and zeros (SmolLM2's qkv and Qwen2.5-0.5B's,
+    # 253 -> 175-181 registers; in tile order a thread's rows all lay in different blocks)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    R: tl.constexpr = BLOCK_K // 8  # packed rows per K step
-    ROW_GROUPS: tl.constexpr = (BLOCK_K > GROUP) or ONE_STEP  # a step spans several groups: scales per packed row
+    R: tl.constexpr = BLOCK_K // 8  # packed rows per K step (BLOCK_K: whole 64-row blocks)
+    TWO_GROUPS: tl.constexpr = GROUP % 64 != 0  # a block's two 32-row halves may lie in different groups
+    # the step's blocks in different groups: scales per packed row
+    ROW_GROUPS: tl.constexpr = ONE_STEP or BLOCK_K > (64 if TWO_GROUPS else GROUP)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    rr = tl.arange(0, R)
+    rr = tl.arange(0, R)  # the step's packed rows, in tile order
+    if ONE_STEP and R > 8:  # tile rows i and i + R / 2 are packed rows 2i and 2i + 1 (see above)
+        rr = rr % (R // 2) * 2 + rr // (R // 2)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
     # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch; each step then
     # loads the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
-    qw, s, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn, n_mask, N,
-                                 GROUP, ROW_GROUPS, ONE_STEP)
+    qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
+                                         n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -417,20 +536,21 @@ def _gemv_kernel(
     else:
         squares = 0.0
     if ONE_STEP:
-        y = _step_dot(x_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM, True,
-                      ROW_GROUPS)
+        y = _step_dot(x_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, s_high, zz, zm, NORM, HAS_PERM, USE_ASM, True,
+                      ROW_GROUPS, TWO_GROUPS)
     else:
         # each step's rows are summed as it ends ([BN] carried, not [R, BN]): a large matrix's rows sit in one
         # thread, so the sum is register adds, and 28 fewer registers stay live across the loop
         y = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             qw_ptrs += R * N
-            qw_next, s_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
+            qw_next, s_next, s_high_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
                                                              (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
-                                                             ROW_GROUPS, False)  # masked past the split's end
-            y += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, zz, zm, NORM, HAS_PERM, USE_ASM, False,
-                           ROW_GROUPS)
-            qw, s, zz, zm = qw_next, s_next, zz_next, zm_next
+                                                             ROW_GROUPS, TWO_GROUPS, False,
+                                                             USE_ASM)  # masked past the split's end
+            y += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, NORM, HAS_PERM, USE_ASM, False,
+                           ROW_GROUPS, TWO_GROUPS)
+            qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
     if not split_path:  # the tile's whole sum is here: no partials, no ticket
         if NORM:
@@ -551,14 +671,14 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
     and sums it in the program, with no partials or ticket."""
     if interpreting():
-        return GemvPlan(max(16, head_dim or 16), 32, max(1, min(2, k // 32)), 1)
+        return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1)  # a K step is whole blocks
     if k * n <= SMALL_MATRIX:
         block_n = max(32, head_dim or 1)
         split = 1  # more splits only where one program's K would not fit in registers
-        while _one_step_words(k, split, block_n) > ONE_STEP_WORDS and split < k // 32:
+        while _one_step_words(k, split, block_n) > ONE_STEP_WORDS and split < k // 64:
             split *= 2
         return GemvPlan(block_n, 0, split, SMALL_MATRIX_WARPS, one_step=True)
-    block_k = largest_pow2_divisor(k, 64)  # the K loop needs no row mask
+    block_k = largest_pow2_divisor(k, 64)  # one 64-row block (K is whole blocks): the K loop needs no row mask
     steps = k // block_k
     block_n = max(128, head_dim or 1)  # a ROPE launch's tiles hold whole heads
     warps = block_n // 128
@@ -570,9 +690,10 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
 
 
 def _one_step_split(k: int, split: int) -> tuple[int, int, int]:
-    """(rows per split, splits, K step) of a one-step plan: K cut into ``split`` parts of whole 32-row pieces,
-    each loaded as one step of the next power of two rows (masked past the part)."""
-    k_per_split = cdiv(k // 32, max(1, split)) * 32
+    """(rows per split, splits, K step) of a one-step plan: K cut into ``split`` parts of whole 64-row blocks (a
+    packed row's nibbles span its block), each loaded as one step of the next power of two rows (masked past the
+    part: whole blocks, so a packed row is wholly inside or past it)."""
+    k_per_split = cdiv(k // 64, max(1, split)) * 64
     return k_per_split, cdiv(k, k_per_split), next_pow2(k_per_split)
 
 
@@ -583,11 +704,15 @@ def _one_step_words(k: int, split: int, block_n: int) -> int:
 
 def _k_steps(k: int, group_size: int, plan: GemvPlan) -> tuple[int, int, int]:
     """(rows per split, splits, K step) of a plan on a K-row weight: a one-step plan's (``_one_step_split``),
-    otherwise splits of whole numbers of K steps."""
+    otherwise splits of whole numbers of K steps of whole 64-row blocks. A group that is not whole blocks (32) has
+    its scales looked up per 32-row half of every packed row, so any step fits it; a group of whole blocks and a
+    step must nest (one scale row per step, or a scale row per packed row)."""
     if plan.one_step:
         return _one_step_split(k, plan.split)
-    block_k = largest_pow2_divisor(k, plan.block_k)
-    if block_k % group_size and group_size % block_k:
+    block_k = largest_pow2_divisor(k, max(plan.block_k, 64))
+    if block_k < 64:
+        raise ValueError(f"w4a16_gemv: K = {k} is not a whole number of 64-row blocks")
+    if group_size % 64 == 0 and block_k % group_size and group_size % block_k:
         raise ValueError(f"w4a16_gemv: K step {block_k} and group size {group_size} do not nest")
     return (*split_k(k, block_k, plan.split), block_k)
 
@@ -610,8 +735,10 @@ def norm_block(k: int, k_per_split: int, splits: int, silu: bool) -> int:
 
 
 def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
-    """fp16 activations (the half2 dot), one row, K steps of 32 rows inside the group structure."""
-    return x.dtype == torch.float16 and x.shape[0] == 1 and group_size % 32 == 0 and k % 32 == 0
+    """fp16 activations (the half2 dot), one row, K whole 64-row blocks of the packed layout (a word's nibbles
+    span its block) and groups of whole 32-row halves of blocks (a half2 of nibbles j and j + 4 is one row of
+    each half)."""
+    return x.dtype == torch.float16 and x.shape[0] == 1 and group_size % 32 == 0 and k % 64 == 0
 
 
 def w4a16_gemv(
@@ -646,8 +773,8 @@ def w4a16_gemv(
         raise ValueError(f"w4a16_gemv: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
                          f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group_size} disagree")
     if not gemv_supported(x, k, group_size):
-        raise ValueError(f"w4a16_gemv: needs one fp16 row and K, group multiples of 32 (x {tuple(x.shape)}, "
-                         f"{x.dtype}, group {group_size})")
+        raise ValueError(f"w4a16_gemv: needs one fp16 row, K a multiple of 64 and a group size that is "
+                         f"a multiple of 32 (x {tuple(x.shape)}, {x.dtype}, group {group_size})")
     x = x.contiguous()
     head_dim = rope["head_dim"] if rope is not None else None
     plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim, norm=norm_weight is not None)

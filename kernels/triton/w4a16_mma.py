@@ -5,12 +5,16 @@ They put the dequantized weight in the right operand, which Hopper's wgmma reads
 weight went register -> shared -> tensor core after its unpack. Here the product is computed transposed,
 out^T [N, M] = W^T [N, K] @ x^T [K, M]: the weight is the left operand, which wgmma may take from registers.
 
-- A K step is 128 input rows: the packed tile [BLOCK_N, 16 words] (word r, nibble j is input row 8r + j, the
-  load-time layout of kernels/reference.py). Byte B of two words becomes nibble planes 2B and 2B + 1 as fp16x2 /
-  bf16x2 registers with one PRMT, a shift and two LOP3 (w4a16_planes.py's ``_unpack_byte``: the nibble ORed
-  into the mantissa of 1024, or 128 in bf16); then (v - (1024 + zero)) * scale, exact up to the one rounding of
-  the reference's (code - zero) * scale.
-- The 8 planes are joined back into input-row order ([n, r, j] -> column 8r + j), so x is read as it is, one
+- A K step is 128 input rows: the packed tile [BLOCK_N, 16 words], two blocks of the load-time layout of
+  kernels/reference.py (nibble j of word 8b + w is input row 64b + 8j + w). Byte B of two words becomes nibble
+  planes 2B and 2B + 1 as fp16x2 / bf16x2 registers with one PRMT, a shift and two LOP3 (w4a16_planes.py's
+  ``_unpack_byte``: the nibble ORed into the mantissa of 1024, or 128 in bf16); then (v - (1024 + zero)) *
+  scale, exact up to the one rounding of the reference's (code - zero) * scale.
+- The packed tile is copied by TMA (a tensor descriptor). Loaded through pointers, Triton rematerialized the load
+  in the operand's layout, as 8 four-byte cp.async copies a thread a step with their 64-bit address arithmetic;
+  TMA copied the box in hardware, 1.1-1.3x faster at 16-64 rows (BENCHMARKS.md, issue 16, session 15). The x
+  tile stays a pointer load: by TMA too it was faster still but gave NaN at 128-row tiles with split-K.
+- The 8 planes are joined back into input-row order (``_dequant_step``), so x is read as it is, one
   [128, BLOCK_M] tile a step that Triton stages through shared memory, and the step is ONE ``tl.dot``: Triton
   keeps its 8 wgmmas in flight into the next step. One dot per plane measured 1.1-1.7x slower at 32-128 rows
   (each dot waited for the previous one), even with x pre-permuted into plane order (which cost 3-9 us a call).
@@ -25,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k, sum_partials
 from kernels.triton.w4a16_planes import _unpack_byte
@@ -34,14 +39,21 @@ K_STEP = 128  # input rows per K step: 16 packed words of 8 nibble planes
 
 @triton.jit
 def _dequant_step(qw, s, zm, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Packed tile qw [BLOCK_N, 16] int32 -> W^T [BLOCK_N, 128] in DTYPE, column 8r + j from nibble j of word r;
-    ``s`` the scales, ``zm`` MAGIC + zero [BLOCK_N]."""
+    """Packed tile qw [BLOCK_N, 16] int32 (two 64-row blocks) -> W^T [BLOCK_N, 128] in DTYPE, column 64b + 8j + w
+    from nibble j of word 8b + w; ``s`` the scales, ``zm`` MAGIC + zero [BLOCK_N].
+
+    The permute below moves no data: wgmma's register operand gives lane q of a quad the columns 2q, 2q + 1,
+    2q + 8 and 2q + 9 of every 16, which in this layout are all 8 nibbles of words 2q and 2q + 1 of each
+    block, so each thread unpacks exactly the words it loaded (the row-order layout needed a shuffle of the
+    dequantized tile through shared memory: ~80 of 392 instructions a step, BENCHMARKS.md issue 16)."""
     p0, p1 = _unpack_byte(qw, 0, DTYPE, USE_ASM, SHIFT_ODD=True)  # planes 0 and 1 as MAGIC + code
     p2, p3 = _unpack_byte(qw, 1, DTYPE, USE_ASM, SHIFT_ODD=True)
     p4, p5 = _unpack_byte(qw, 2, DTYPE, USE_ASM, SHIFT_ODD=True)
     p6, p7 = _unpack_byte(qw, 3, DTYPE, USE_ASM, SHIFT_ODD=True)
-    # joined innermost-last: [n, r, j2, j1, j0] = plane 4 j2 + 2 j1 + j0, so the reshape gives column 8r + j
+    # joined innermost-last: [n, word, j2, j1, j0] holds plane j = 4 j2 + 2 j1 + j0 of each word
     planes = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    planes = tl.reshape(planes, [BLOCK_N, 2, 8, 2, 2, 2])  # [n, block b, word w, j2, j1, j0]
+    planes = tl.permute(planes, (0, 1, 3, 4, 5, 2))  # [n, b, j2, j1, j0, w]: column 64b + 8j + w
     w = tl.reshape(planes, [BLOCK_N, 128])
     return (w - zm[:, None]) * s[:, None]
 
@@ -49,7 +61,7 @@ def _dequant_step(qw, s, zm, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_N
 @triton.jit
 def _mma_kernel(
     x_ptr,
-    qw_ptr,
+    qw_desc,
     scales_ptr,
     zeros_ptr,
     out_ptr,
@@ -87,17 +99,15 @@ def _mma_kernel(
     n_mask = rn < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    qw_ptrs = qw_ptr + (k_start // 8 + tl.arange(0, 16)).to(tl.int64)[None, :] * N + rn[:, None]  # [BLOCK_N, 16]
     x_ptrs = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + (k_start + tl.arange(0, 128))[:, None]  # [128, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_end, 128):
-        qw = tl.load(qw_ptrs, mask=n_mask[:, None], other=0)
+        qw = tl.trans(qw_desc.load([k0 // 8, pid_n * BLOCK_N]))  # [BLOCK_N, 16] int32, zeros past N
         g = k0 // GROUP_SIZE
         s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0)
         zm = tl.load(zeros_ptr + g * N + rn, mask=n_mask, other=0.0) + MAGIC  # exact: small integers
         x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
         acc = tl.dot(_dequant_step(qw, s, zm, dtype, USE_ASM, BLOCK_N), x, acc)
-        qw_ptrs += 16 * N
         x_ptrs += 128
     out_tile = rn[:, None] + rm.to(tl.int64)[None, :] * stride_om  # [BLOCK_N, BLOCK_M]
     mask = n_mask[:, None] & m_mask[None, :]
@@ -152,8 +162,9 @@ def mma_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         part = lock = out  # unused
     if perm is not None:
         x = x[:, perm]
+    qw_desc = TensorDescriptor.from_tensor(qweight, [16, cfg["BLOCK_N"]])  # one K step's packed tile
     _mma_kernel[(tiles, split)](
-        x, qweight, scales, zeros, out, part, lock, m, n, k, per, split, LOCK_PERIOD.value - split,
+        x, qw_desc, scales, zeros, out, part, lock, m, n, k, per, split, LOCK_PERIOD.value - split,
         x.stride(0), out.stride(0), GROUP_SIZE=group_size, USE_ASM=not interpret,
         SPLITS=triton.next_power_of_2(split), **cfg,
     )

@@ -3,8 +3,8 @@
 Why (BENCHMARKS.md, Kernels): the earlier GEMV kernels spent 10-14 instructions per weight (x reloads, address
 math, an unpack per nibble, converts), so they ran at the issue rate, not at memory bandwidth. Here:
 - The packed tile qw [BLOCK_K // 8, BLOCK_N] is the B operand of 8 small dots, one per nibble j ("plane" j:
-  row r of the plane is input row 8r + j), so the tile is converted to the tensor-core layout once, as int32,
-  and every nibble is unpacked in the registers that hold it.
+  row 8b + w of the plane is input row 64b + 8j + w, kernels/reference.py), so the tile is converted to the
+  tensor-core layout once, as int32, and every nibble is unpacked in the registers that hold it.
 - Byte b of two packed rows becomes two fp16x2 registers with one PRMT and two LOP3 (``_unpack_byte``): the
   nibble ORed into the mantissa of 1024 (even nibble: 1024 + code; odd nibble, masked in place: 1024 + 16 *
   code, its x plane pre-divided by 16, exact). bf16 uses 128 + code and one shift more.
@@ -156,11 +156,13 @@ def _planes_kernel(
         qw = tl.load(qw_ptrs, mask=n_mask[None, :], other=0)  # [BLOCK_K // 8, BLOCK_N] int32
         xt_next, s_next, z_next = _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k0 + BLOCK_K, k_end,
                                                  kk, rn, m_mask, n_mask, N, GROUP_SIZE, HAS_PERM)
-        x_even, x_odd = tl.split(tl.reshape(xt.to(tl.float32), [BLOCK_M, BLOCK_K // 2, 2]))
+        # x in packed order: column 64b + 8j + w of xt (input row) -> column 8r + j, r = 8b + w the packed row
+        xp = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_M, BLOCK_K // 64, 8, 8]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
+        x_even, x_odd = tl.split(tl.reshape(xp.to(tl.float32), [BLOCK_M, BLOCK_K // 2, 2]))
         sum_even = tl.sum(x_even, axis=1)  # [BLOCK_M]
         sum_odd = tl.sum(x_odd, axis=1)
-        # planes of the x tile: column 8r + j of xt is row r of plane j (j = 4 * j2 + 2 * j1 + j0)
-        x5 = tl.reshape(xt, [BLOCK_M, BLOCK_K // 8, 2, 2, 2])
+        # planes of the x tile: column 8r + j of xp is row r of plane j (j = 4 * j2 + 2 * j1 + j0)
+        x5 = tl.reshape(xp, [BLOCK_M, BLOCK_K // 8, 2, 2, 2])
         xa, xb = tl.split(x5)  # j0 = 0 / 1
         xa0, xa1 = tl.split(xa)  # j1
         xb0, xb1 = tl.split(xb)
