@@ -504,10 +504,10 @@ def _gemv_kernel(
     ONE_STEP: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. ONE_STEP: each
-    # program's split is one K step of BLOCK_K >= k_per_split rows (masked past it), all loaded at once; its tile
-    # spreads the rows over the warps, a thread holding rows R / 2 apart among others, so those are made packed
-    # rows 2i and 2i + 1: one block's pair, which share their scales and zeros (SmolLM2's qkv and Qwen2.5-0.5B's,
-    # 253 -> 175-181 registers; in tile order a thread's rows all lay in different blocks)
+    # program's split is one K step of BLOCK_K >= k_per_split rows (masked past it), all loaded at once. The
+    # one-step tile spreads its rows over the warps, so a thread's rows lie in different blocks and each loads
+    # its own x words (SmolLM2 qkv 253 registers); mapping tile rows i and i + R / 2 to packed rows 2i and 2i + 1
+    # (one block's pair) took 175 but measured slower (qkv 3.34 -> 4.09 us, down 2.57 -> 2.80; H200, session 15)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8  # packed rows per K step (BLOCK_K: whole 64-row blocks)
@@ -516,9 +516,7 @@ def _gemv_kernel(
     ROW_GROUPS: tl.constexpr = ONE_STEP or BLOCK_K > (64 if TWO_GROUPS else GROUP)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
-    rr = tl.arange(0, R)  # the step's packed rows, in tile order
-    if ONE_STEP and R > 8:  # tile rows i and i + R / 2 are packed rows 2i and 2i + 1 (see above)
-        rr = rr % (R // 2) * 2 + rr // (R // 2)
+    rr = tl.arange(0, R)  # the step's packed rows
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent

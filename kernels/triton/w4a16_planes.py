@@ -11,9 +11,12 @@ math, an unpack per nibble, converts), so they ran at the issue rate, not at mem
 - The magic offsets and the zero point come out per group and row of x, not per weight:
   sum_k x_k (c_k - z) s = (acc - 1024 sum_even x - 64 sum_odd x - z sum_k x) * s, acc the fp32 tensor-core
   sum (fp16 products are exact in fp32; the offsets cost ~1e-5 relative error).
-- x is loaded as one contiguous [BLOCK_M, BLOCK_K] tile and split into its 8 planes in registers; that tile
-  and the group's scales and zeros (from HBM) are loaded one K step ahead (cp.async stages only the packed
-  tile, and these loads were on the critical path of every step).
+- x is loaded as its 8 plane tiles [BLOCK_M, BLOCK_K // 8] (plane j: input rows 64b + 8j + w), each thread
+  taking its operand's pairs from memory; they and the group's scales and zeros (from HBM) are loaded one K
+  step ahead (cp.async stages only the packed tile, and these loads were on the critical path of every step).
+  One contiguous tile permuted into packed order in registers measured 1.1-1.5x slower (a shared-memory pass);
+  either is slower than the row-order layout's split of a contiguous tile at 8-16 rows (BENCHMARKS.md, issue
+  16, session 15).
 - Split-K partials are reduced in the same launch (kernels/triton/split_k.py): the last program to arrive for a
   tile sums the partials and writes the output.
 
@@ -79,17 +82,40 @@ def _x_cols(perm_ptr, cols, HAS_PERM: tl.constexpr, live):
 
 
 @triton.jit
-def _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k0, k_end, kk, rn, m_mask, n_mask, N, GROUP_SIZE,
+def _x_plane(x_rows, perm_ptr, k0, k_end, rr, j: tl.constexpr, m_mask, HAS_PERM: tl.constexpr):
+    # plane j of the x tile, [BLOCK_M, BLOCK_K // 8]: column 8b + w is input row k0 + 64b + 8j + w (the packed
+    # layout of kernels/reference.py). Loaded as its own tile, each thread takes its tensor-core operand's pairs
+    # straight from memory; one contiguous tile split into planes in registers went through shared memory
+    # (its permute into packed order measured 1.1-1.5x slower at 2-16 rows)
+    cols = k0 + (rr // 8) * 64 + 8 * j + rr % 8
+    live = cols < k_end  # (tensor masks only: the interpreter mistypes scalar-bool & tensor)
+    return tl.load(x_rows + _x_cols(perm_ptr, cols, HAS_PERM, live)[None, :], mask=m_mask[:, None] & live[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k0, k_end, rr, rn, m_mask, n_mask, N, GROUP_SIZE,
                    HAS_PERM: tl.constexpr):
-    # the x tile [BLOCK_M, BLOCK_K] and the fp32 scales / zeros [BLOCK_N] of the K step at k0 (zeros past k_end)
-    live_k = (k0 + kk) < k_end  # [BLOCK_K] (tensor masks only: the interpreter mistypes scalar-bool & tensor)
+    # the 8 x planes [BLOCK_M, BLOCK_K // 8] and the fp32 scales / zeros [BLOCK_N] of the K step at k0 (zeros
+    # past k_end)
     live_n = n_mask & ((k0 + rn * 0) < k_end)  # [BLOCK_N]
-    xt = tl.load(x_rows + _x_cols(perm_ptr, k0 + kk, HAS_PERM, live_k)[None, :],
-                 mask=m_mask[:, None] & live_k[None, :], other=0.0)
     g = k0 // GROUP_SIZE  # (K // G) * N stays far below 2**31
     s = tl.load(scales_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.float32)
     z = tl.load(zeros_ptr + g * N + rn, mask=live_n, other=0.0).to(tl.float32)
-    return xt, s, z
+    return (_x_plane(x_rows, perm_ptr, k0, k_end, rr, 0, m_mask, HAS_PERM),
+            _x_plane(x_rows, perm_ptr, k0, k_end, rr, 1, m_mask, HAS_PERM),
+            _x_plane(x_rows, perm_ptr, k0, k_end, rr, 2, m_mask, HAS_PERM),
+            _x_plane(x_rows, perm_ptr, k0, k_end, rr, 3, m_mask, HAS_PERM),
+            _x_plane(x_rows, perm_ptr, k0, k_end, rr, 4, m_mask, HAS_PERM),
+            _x_plane(x_rows, perm_ptr, k0, k_end, rr, 5, m_mask, HAS_PERM),
+            _x_plane(x_rows, perm_ptr, k0, k_end, rr, 6, m_mask, HAS_PERM),
+            _x_plane(x_rows, perm_ptr, k0, k_end, rr, 7, m_mask, HAS_PERM), s, z)
+
+
+@triton.jit
+def _plane_sum(x):
+    # row sums [BLOCK_M] of an x plane in fp32
+    return tl.sum(x.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -143,37 +169,25 @@ def _planes_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    kk = tl.arange(0, BLOCK_K)
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # software prefetch (one K step ahead, in registers) of what the tensor-core pipeline does not stage through
     # shared memory: the x tile, and the group's scales and zeros. Loaded at first use they put an L2 / HBM
     # round trip on every K step (measured: time followed K steps per program, not bytes). Two steps ahead
     # measured slower (more registers, fewer programs per SM): BENCHMARKS.md, Kernels.
-    xt, s, z = _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k_start, k_end, kk, rn, m_mask, n_mask,
-                              N, GROUP_SIZE, HAS_PERM)
+    x0, x1, x2, x3, x4, x5, x6, x7, s, z = _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k_start, k_end,
+                                                          rr, rn, m_mask, n_mask, N, GROUP_SIZE, HAS_PERM)
     for k0 in range(k_start, k_end, BLOCK_K):
         qw = tl.load(qw_ptrs, mask=n_mask[None, :], other=0)  # [BLOCK_K // 8, BLOCK_N] int32
-        xt_next, s_next, z_next = _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k0 + BLOCK_K, k_end,
-                                                 kk, rn, m_mask, n_mask, N, GROUP_SIZE, HAS_PERM)
-        # x in packed order: column 64b + 8j + w of xt (input row) -> column 8r + j, r = 8b + w the packed row
-        xp = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_M, BLOCK_K // 64, 8, 8]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
-        x_even, x_odd = tl.split(tl.reshape(xp.to(tl.float32), [BLOCK_M, BLOCK_K // 2, 2]))
-        sum_even = tl.sum(x_even, axis=1)  # [BLOCK_M]
-        sum_odd = tl.sum(x_odd, axis=1)
-        # planes of the x tile: column 8r + j of xp is row r of plane j (j = 4 * j2 + 2 * j1 + j0)
-        x5 = tl.reshape(xp, [BLOCK_M, BLOCK_K // 8, 2, 2, 2])
-        xa, xb = tl.split(x5)  # j0 = 0 / 1
-        xa0, xa1 = tl.split(xa)  # j1
-        xb0, xb1 = tl.split(xb)
-        x0, x4 = tl.split(xa0)  # j2
-        x2, x6 = tl.split(xa1)
-        x1, x5_ = tl.split(xb0)
-        x3, x7 = tl.split(xb1)
+        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, s_next, z_next = _step_operands(
+            x_rows, scales_ptr, zeros_ptr, perm_ptr, k0 + BLOCK_K, k_end, rr, rn, m_mask, n_mask, N, GROUP_SIZE,
+            HAS_PERM)
+        sum_even = _plane_sum(x0) + _plane_sum(x2) + _plane_sum(x4) + _plane_sum(x6)  # [BLOCK_M]
+        sum_odd = _plane_sum(x1) + _plane_sum(x3) + _plane_sum(x5) + _plane_sum(x7)
         if ODD_SCALE != 1.0:  # exact (powers of two); values under 2^-10 lose bits, ~1e-8 absolute
             x1 = x1 * ODD_SCALE
             x3 = x3 * ODD_SCALE
-            x5_ = x5_ * ODD_SCALE
+            x5 = x5 * ODD_SCALE
             x7 = x7 * ODD_SCALE
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         lo, hi = _unpack_byte(qw, 0, dtype, USE_ASM)
@@ -184,14 +198,14 @@ def _planes_kernel(
         part = tl.dot(x3, hi, part)
         lo, hi = _unpack_byte(qw, 2, dtype, USE_ASM)
         part = tl.dot(x4, lo, part)
-        part = tl.dot(x5_, hi, part)
+        part = tl.dot(x5, hi, part)
         lo, hi = _unpack_byte(qw, 3, dtype, USE_ASM)
         part = tl.dot(x6, lo, part)
         part = tl.dot(x7, hi, part)
         # part = sum_k x_k c_k + MAGIC * sum_even + MAGIC_ODD * sum_odd: remove the offsets and the zero point
         corr = (MAGIC * sum_even + MAGIC_ODD * sum_odd)[:, None] + (sum_even + sum_odd)[:, None] * z[None, :]
         acc += (part - corr) * s[None, :]
-        xt, s, z = xt_next, s_next, z_next
+        x0, x1, x2, x3, x4, x5, x6, x7, s, z = nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, s_next, z_next
         qw_ptrs += (BLOCK_K // 8) * N
     mask = m_mask[:, None] & n_mask[None, :]
     if splits == 1:
