@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kernels import reference as R
@@ -71,6 +72,25 @@ def test_int4_pack_roundtrip_and_matmul():
     w = (codes.float() - zeros.repeat_interleave(32, 0)) * scales.repeat_interleave(32, 0)
     x = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(R.w4a16_matmul(x, R.pack_int4(codes), scales, zeros, 32), x @ w)
+
+
+def test_int4_layout_is_blocks_of_64_rows_and_converts_from_gptq_row_order():
+    """The packed layout the kernels read: nibble j of word 8b + w is input row 64b + 8j + w; ``rows_to_blocks``
+    turns GPTQ's order (nibble j of word r is row 8r + j) into it and back; K must be whole blocks."""
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (128, 6), generator=gen)
+    packed = R.pack_int4(codes)
+    for b, w, j in [(0, 0, 0), (0, 3, 5), (1, 7, 7), (1, 2, 4)]:
+        assert torch.equal((packed[8 * b + w] >> (4 * j)) & 0xF, codes[64 * b + 8 * j + w].int())
+    gptq = torch.zeros(16, 6, dtype=torch.int64)  # row order, built independently of the code under test
+    for r in range(16):
+        for j in range(8):
+            gptq[r] |= codes[8 * r + j].long() << (4 * j)
+    gptq = torch.where(gptq >= 2**31, gptq - 2**32, gptq).to(torch.int32)
+    assert torch.equal(R.rows_to_blocks(gptq), packed)
+    assert torch.equal(R.rows_to_blocks(packed), gptq)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        R.rows_to_blocks(torch.zeros(4, 6, dtype=torch.int32))  # K = 32
 
 
 def test_paged_attention_sliding_window_matches_dense_formula():
