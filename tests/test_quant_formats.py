@@ -282,6 +282,17 @@ def test_checkpoint_with_missing_tensor_fails_naming_it(method, tmp_path):
     assert f"{PREFIX}.qzeros" in str(info.value) and "missing" in str(info.value)
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_input_features_that_are_not_whole_64_row_blocks_are_refused_naming_the_layer(method, tmp_path):
+    """The kernels' packed layout holds 64 input rows a block: a layer of 96 (a valid AWQ / GPTQ shape at group
+    size 32) is refused with its numbers before anything is read, not run wrong."""
+    qcfg = write_checkpoint(tmp_path, method)["config"]["quantization_config"] | {"group_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qcfg}))
+    method_ = get_quant_method(tmp_path, json.loads((tmp_path / "config.json").read_text()))
+    with pytest.raises(EngineError, match=rf"{PREFIX}.*in_features .* 96 is not a multiple of 64"):
+        method_.load_linear(lambda name: None, PREFIX, 96, OUT_FEATURES, torch.float16)
+
+
 def test_checkpoint_with_unknown_quant_method_fails_naming_it(tmp_path):
     checkpoint = write_checkpoint(tmp_path, "awq")
     checkpoint["config"]["quantization_config"]["quant_method"] = "squeezellm"
