@@ -45,6 +45,7 @@ from kernels.triton.common import (
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
 from kernels.triton.w4a16_mma import mma_config, mma_matmul, mma_supported
 from kernels.triton.w4a16_planes import (
+    _plane_rows,
     planes_config,
     planes_matmul,
     planes_supported,
@@ -68,12 +69,6 @@ def _codes_to(codes, DTYPE: tl.constexpr):
         return (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
     else:
         return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _plane_rows(k0, rr, j):
-    # input rows met by nibble j of the step's packed rows rr (0 .. BLOCK_K // 8 - 1): 64b + 8j + w, rr = 8b + w
-    return k0 + (rr // 8) * 64 + 8 * j + rr % 8
 
 
 @triton.jit

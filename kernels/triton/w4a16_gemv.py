@@ -55,11 +55,46 @@ from kernels.triton.common import (
     pdl_supported,
 )
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+from kernels.triton.w4a16_planes import _plane_rows
 
 STORE: tl.constexpr = tl.constexpr(0)  # epilogues
 RESIDUAL: tl.constexpr = tl.constexpr(1)
 SILU: tl.constexpr = tl.constexpr(2)
 ROPE: tl.constexpr = tl.constexpr(3)
+
+
+def _word_dot_ptx(halves: bool) -> str:
+    """The PTX of ``_word_dot``: one packed word's 8 nibbles times their x pairs in half2, then its fp32 sum, or
+    with ``halves`` the sums of the half2's low and high halves apart (two outputs, so the inputs start at $2)."""
+    q, x04, x15, x26, x37, zz, zm = (f"${(2 if halves else 1) + i}" for i in range(7))
+    lines = [".reg .b32 a, b, c, d, t, acc, sixteenth;", ".reg .b16 lo, hi;"]
+    lines += [] if halves else [".reg .f32 flo, fhi;"]
+    lines += [
+        "mov.b32 sixteenth, 0x2C002C00;",
+        f"lop3.b32 a, {q}, 0x000F000F, 0x64006400, 0xEA;",
+        f"lop3.b32 b, {q}, 0x00F000F0, 0x64006400, 0xEA;",
+        f"shr.u32 t, {q}, 8;",
+        "lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;",
+        "lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;",
+        f"sub.f16x2 a, a, {zz};",
+        f"fma.rn.f16x2 b, b, sixteenth, {zm};",
+        f"sub.f16x2 c, c, {zz};",
+        f"fma.rn.f16x2 d, d, sixteenth, {zm};",
+        f"mul.rn.f16x2 acc, a, {x04};",
+        f"fma.rn.f16x2 acc, b, {x15}, acc;",
+        f"fma.rn.f16x2 acc, c, {x26}, acc;",
+        f"fma.rn.f16x2 acc, d, {x37}, acc;",
+        "mov.b32 {lo, hi}, acc;",
+    ]
+    if halves:
+        lines += ["cvt.f32.f16 $0, lo;", "cvt.f32.f16 $1, hi;"]
+    else:
+        lines += ["cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;"]
+    return "{\n" + "".join(f"            {line}\n" for line in lines) + "            }"
+
+
+_WORD_DOT_PTX: tl.constexpr = tl.constexpr(_word_dot_ptx(halves=False))
+_WORD_DOT_HALVES_PTX: tl.constexpr = tl.constexpr(_word_dot_ptx(halves=True))
 
 
 @triton.jit
@@ -77,63 +112,13 @@ def _word_dot(qw, x04, x15, x26, x37, zz, zm, TWO_GROUPS: tl.constexpr, USE_ASM:
     TWO_GROUPS then returns the halves unsummed."""
     if USE_ASM and TWO_GROUPS:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b, c, d, t, acc, sixteenth;
-            .reg .b16 lo, hi;
-            mov.b32 sixteenth, 0x2C002C00;
-            lop3.b32 a, $2, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 b, $2, 0x00F000F0, 0x64006400, 0xEA;
-            shr.u32 t, $2, 8;
-            lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
-            sub.f16x2 a, a, $7;
-            fma.rn.f16x2 b, b, sixteenth, $8;
-            sub.f16x2 c, c, $7;
-            fma.rn.f16x2 d, d, sixteenth, $8;
-            mul.rn.f16x2 acc, a, $3;
-            fma.rn.f16x2 acc, b, $4, acc;
-            fma.rn.f16x2 acc, c, $5, acc;
-            fma.rn.f16x2 acc, d, $6, acc;
-            mov.b32 {lo, hi}, acc;
-            cvt.f32.f16 $0, lo;
-            cvt.f32.f16 $1, hi;
-            }""",
-            constraints="=r,=r,r,r,r,r,r,r,r",
-            args=[qw, x04, x15, x26, x37, zz, zm],
-            dtype=(tl.float32, tl.float32),
-            is_pure=True,
-            pack=1,
+            asm=_WORD_DOT_HALVES_PTX, constraints="=r,=r,r,r,r,r,r,r,r", args=[qw, x04, x15, x26, x37, zz, zm],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
         )
     elif USE_ASM:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b, c, d, t, acc, sixteenth;
-            .reg .b16 lo, hi;
-            .reg .f32 flo, fhi;
-            mov.b32 sixteenth, 0x2C002C00;
-            lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
-            shr.u32 t, $1, 8;
-            lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
-            sub.f16x2 a, a, $6;
-            fma.rn.f16x2 b, b, sixteenth, $7;
-            sub.f16x2 c, c, $6;
-            fma.rn.f16x2 d, d, sixteenth, $7;
-            mul.rn.f16x2 acc, a, $2;
-            fma.rn.f16x2 acc, b, $3, acc;
-            fma.rn.f16x2 acc, c, $4, acc;
-            fma.rn.f16x2 acc, d, $5, acc;
-            mov.b32 {lo, hi}, acc;
-            cvt.f32.f16 flo, lo;
-            cvt.f32.f16 fhi, hi;
-            add.f32 $0, flo, fhi;
-            }""",
-            constraints="=r,r,r,r,r,r,r,r",
-            args=[qw, x04, x15, x26, x37, zz, zm],
-            dtype=tl.float32,
-            is_pure=True,
-            pack=1,
+            asm=_WORD_DOT_PTX, constraints="=r,r,r,r,r,r,r,r", args=[qw, x04, x15, x26, x37, zz, zm],
+            dtype=tl.float32, is_pure=True, pack=1,
         )
     else:  # the interpreter has no inline asm: the same sums in fp32
         z_lo = (zz & 0xF).to(tl.float32)
@@ -432,7 +417,7 @@ def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, N
     else:  # a constant mask: folded away
         row_live = tl.full(rr.shape, 1, tl.int1)
     if HAS_PERM:
-        cols = k0 + rr // 8 * 64 + rr % 8  # the input row of nibble 0 of each packed row (block rr // 8, row rr % 8)
+        cols = _plane_rows(k0, rr, 0)  # the input row of nibble 0 of each packed row
         x04 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM)
         x15 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 8, row_live, NORM)
         x26 = _x_gathered_pair(x_ptr, norm_ptr, perm_ptr, cols + 16, row_live, NORM)

@@ -82,12 +82,19 @@ def _x_cols(perm_ptr, cols, HAS_PERM: tl.constexpr, live):
 
 
 @triton.jit
+def _plane_rows(k0, rr, j):
+    # input rows met by nibble j of a K step's packed rows rr (0 .. BLOCK_K // 8 - 1) from row k0 (a multiple of
+    # 64): 64b + 8j + w for rr = 8b + w, the packed layout of kernels/reference.py
+    return k0 + (rr // 8) * 64 + 8 * j + rr % 8
+
+
+@triton.jit
 def _x_plane(x_rows, perm_ptr, k0, k_end, rr, j: tl.constexpr, m_mask, HAS_PERM: tl.constexpr):
-    # plane j of the x tile, [BLOCK_M, BLOCK_K // 8]: column 8b + w is input row k0 + 64b + 8j + w (the packed
-    # layout of kernels/reference.py). Loaded as its own tile, each thread takes its tensor-core operand's pairs
+    # plane j of the x tile, [BLOCK_M, BLOCK_K // 8]: column 8b + w is input row k0 + 64b + 8j + w
+    # (``_plane_rows``). Loaded as its own tile, each thread takes its tensor-core operand's pairs
     # straight from memory; one contiguous tile split into planes in registers went through shared memory
     # (its permute into packed order measured 1.1-1.5x slower at 2-16 rows)
-    cols = k0 + (rr // 8) * 64 + 8 * j + rr % 8
+    cols = _plane_rows(k0, rr, j)
     live = cols < k_end  # (tensor masks only: the interpreter mistypes scalar-bool & tensor)
     return tl.load(x_rows + _x_cols(perm_ptr, cols, HAS_PERM, live)[None, :], mask=m_mask[:, None] & live[None, :],
                    other=0.0)
