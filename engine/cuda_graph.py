@@ -152,8 +152,11 @@ class StaticBuffers:
 class StepGraphs:
     """Captured forwards for decode batch sizes and ragged token counts; ``run`` replays the one that fits."""
 
-    def __init__(self, model, max_seqs: int, max_tokens: int, max_blocks: int, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model, max_seqs: int, max_tokens: int, max_blocks: int, device: torch.device,
+                 stream: torch.cuda.Stream):
+        """``stream``: the side stream to capture on. Pass the same one to every capture of a process: cuBLAS
+        keeps a workspace per stream it runs on, which a new stream would allocate again."""
+        self.model, self.device, self.stream = model, device, stream
         self.decode_sizes = capture_sizes(max_seqs)
         self.max_seqs = max_seqs
         self.ragged_sizes = ragged_sizes(max_tokens)
@@ -179,7 +182,7 @@ class StepGraphs:
         pool = torch.cuda.graph_pool_handle()
         shapes = [("ragged", t) for t in reversed(self.ragged_sizes)]
         shapes += [("decode", s) for s in reversed(self.decode_sizes)]
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for kind, size in shapes:

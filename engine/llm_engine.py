@@ -111,14 +111,13 @@ class LLMEngine:
         log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
                f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
                f"{layout.capacity_tokens / self.max_model_len:.2f}x")
-        eager_started = time.perf_counter()
-        eager_steps = self.runner.warm_up_eager_steps()
-        eager_seconds = time.perf_counter() - eager_started
-        graphs = self.runner.graphs
+        graphs, trial = self.runner.graphs, self.runner.trial
+        trial_text = (f" (of which a trial start-up over a scratch KV: {trial.graphs} CUDA graphs, "
+                      f"{trial.eager_forwards} eager warm-up forwards, sampling, {trial.seconds:.2f} s)" if trial else "")
         log_fn(f"{self.model_name}: engine ready in {time.perf_counter() - started:.2f} s (tokenizer "
                f"{tokenizer_seconds:.2f} s, weights {self.runner.load_seconds:.2f} s, KV sizing "
-               f"{self.runner.sizing_seconds:.2f} s, CUDA graphs {graphs.capture_seconds if graphs else 0.0:.2f} s, "
-               f"{eager_steps} eager warm-up forwards {eager_seconds:.2f} s)")
+               f"{self.runner.sizing_seconds:.2f} s{trial_text}, CUDA graphs "
+               f"{graphs.capture_seconds if graphs else 0.0:.2f} s)")
 
     def warm_up(self, log_fn: Callable[[str], None] = log.info) -> float:
         """On a GPU, take the sampler's paths and a long prompt's eager step once (engine/warmup.py), from the

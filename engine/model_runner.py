@@ -26,7 +26,7 @@ from engine.request import Request
 from engine.sampler import PendingSample, Sampler, SamplerOutput
 from engine.stream_gate import StreamGate, register_host_memory, unregister_host_memory
 from engine.structured_output import GrammarStep, TokenMasks
-from engine.warmup import eager_seq_buckets, eager_step
+from engine.warmup import eager_seq_buckets, eager_step, sampler_trial_requests
 from kernels.ops import Backend
 
 log = logging.getLogger("pagoda.runner")
@@ -44,14 +44,30 @@ class KVCacheLayout:
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """What the device budget went to when the KV pool was sized (bytes)."""
+    """What the device budget went to when the KV pool was sized (bytes), as the driver counts the process:
+    budget >= start_up_peak + outside_torch + kv_cache."""
 
     budget: int
     weights: int
     activation_peak: int  # measured: one forward at the full token budget (what the allocator reserved for it)
     kv_cache: int
-    decode_reserve: int = 0  # estimated: decode logits + sampling at max_num_seqs rows, CUDA graph pool
-    outside_torch: int = 0  # measured: device memory not in torch's pool (the CUDA context, kernels, handles)
+    start_up_peak: int = 0  # torch's reserved peak over the trial start-up (weights included, no KV), measured,
+    # plus one activation peak more: serving's eager steps vary in size, and the allocator's segments of one
+    # size do not always serve another (7B AWQ under 24 GiB, a ShareGPT-like mix: torch's pool grew 72 MiB
+    # past the trial's peak, BENCHMARKS.md issue 16 session 16)
+    outside_torch: int = 0  # measured after the trial: the CUDA context, loaded kernels, graph executables
+
+
+@dataclass(frozen=True)
+class TrialStartUp:
+    """What ``ModelRunner._trial_start_up`` measured (bytes, seconds, counts)."""
+
+    torch_peak: int  # torch's reserved peak, the scratch KV left out
+    outside_torch: int  # device memory beside torch's pool while the trial's graphs were alive
+    graphs: int  # CUDA graphs captured
+    eager_forwards: int  # eager warm-up forwards run
+    seconds: float
+    stage_peaks: dict[str, int]  # torch's reserved peak in each stage (graphs, eager, sampler), no scratch KV
 
 
 @dataclass
@@ -132,7 +148,8 @@ class ModelRunner:
             self._threads_before = None
 
     def _size_and_allocate(self, max_model_len: int) -> None:
-        """Size the KV pool after the weights (profiling one forward on a GPU), allocate it, bind it."""
+        """Size the KV pool after the weights (on a GPU: profiling one forward, then a trial start-up that
+        measures everything else), allocate it, bind it."""
         args, device = self.args, self.device
         self._release_cached_blocks()  # loading's temporaries (checkpoint tensors before the repack)
         self.config: ModelConfig = self.model.config
@@ -141,20 +158,16 @@ class ModelRunner:
         self.weight_bytes = self.model.weight_bytes()
         self.use_cuda_graphs = (device.type == "cuda" and self.backend.use_triton and not args.enforce_eager
                                 and self.workers is None)  # graphs do not capture the all-reduce yet
-        started = time.perf_counter()
-        self.layout, self.memory_profile = self._size_kv_cache()
-        self._release_cached_blocks()  # the profiling forward's activations
-        self.kv_caches = self._allocate_kv_cache()
-        if self.workers is not None:
-            from engine.tp_worker import AllocateKV
-
-            self.workers.send(AllocateKV(self.layout.num_blocks, self.layout.block_size))
-        self.sizing_seconds = time.perf_counter() - started
-        log.info("weights loaded in %.2f s (%.2f GiB); KV cache sized (profiling forward) and allocated in %.2f s",
-                 self.load_seconds, self.weight_bytes / 2**30, self.sizing_seconds)
-        self.model.bind_kv_caches(self.kv_caches)
-        self.block_rows = BlockTableRows(self._max_blocks(max_model_len))
         self.graphs: StepGraphs | None = None
+        self.trial: TrialStartUp | None = None  # on a GPU: what start-up adds besides the KV pool, measured
+        self._capture_stream: torch.cuda.Stream | None = None  # one for every capture (StepGraphs says why)
+        started = time.perf_counter()
+        self.layout, self.memory_profile = self._size_kv_cache(max_model_len)
+        self.kv_caches = self._bind_kv(self.layout.num_blocks)
+        self.sizing_seconds = time.perf_counter() - started
+        log.info("weights loaded in %.2f s (%.2f GiB); KV cache sized (profiling forward, trial start-up) and "
+                 "allocated in %.2f s", self.load_seconds, self.weight_bytes / 2**30, self.sizing_seconds)
+        self.block_rows = BlockTableRows(self._max_blocks(max_model_len))
 
     def _release_cached_blocks(self) -> None:
         """Return the caching allocator's free blocks to the driver before the next big allocation. Otherwise
@@ -180,15 +193,17 @@ class ModelRunner:
         self.block_rows = BlockTableRows(max_blocks)
         if not self.use_cuda_graphs:
             return
-        self.graphs = StepGraphs(self.model, self.args.max_num_seqs, self.args.max_num_batched_tokens,
-                                 max_blocks, self.device)
-        self.graphs.capture()
-        if self.graphs.pool_bytes > self.memory_profile.decode_reserve:
-            log.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them and sampling: the "
-                        "process may exceed its memory budget by the difference", self.graphs.pool_bytes / 2**20,
-                        self.memory_profile.decode_reserve / 2**20)
+        self.graphs = self._capture_graphs(max_blocks)
 
-    def warm_up_eager_steps(self) -> int:
+    def _capture_graphs(self, max_blocks: int) -> StepGraphs:
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        graphs = StepGraphs(self.model, self.args.max_num_seqs, self.args.max_num_batched_tokens, max_blocks,
+                            self.device, self._capture_stream)
+        graphs.capture()
+        return graphs
+
+    def _eager_warm_up_forwards(self) -> int:
         """Run one eager forward at the full token budget per sequence-count bucket, so the kernel variants of
         long prefill chunks and mixed steps are compiled before serving (engine/warmup.py says why); returns
         how many ran. Nothing to do on CPU or with the reference kernels."""
@@ -211,25 +226,93 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return self.config.kv_bytes_per_token(self.dtype) * self.args.block_size
 
-    def _size_kv_cache(self) -> tuple[KVCacheLayout, MemoryProfile]:
+    def _size_kv_cache(self, max_model_len: int) -> tuple[KVCacheLayout, MemoryProfile]:
         per_block = self.bytes_per_block()
         if self.device.type == "cuda":
             budget, activation_peak = self._profile_cuda()
-            reserve = self._decode_reserve_bytes(activation_peak)
-            outside = device_bytes_outside_torch(self.device)
-            kv_budget = budget - self.weight_bytes - activation_peak - reserve - outside
+            self.trial = self._trial_start_up(max_model_len, activation_peak)
+            peak, outside = self.trial.torch_peak + activation_peak, self.trial.outside_torch
+            kv_budget = budget - peak - outside
         else:
             kv_budget = cpu_kv_cache_bytes(self.args)
-            budget, activation_peak, reserve, outside = self.weight_bytes + kv_budget, 0, 0, 0
+            budget, activation_peak, peak, outside = self.weight_bytes + kv_budget, 0, self.weight_bytes, 0
         num_blocks = kv_budget // per_block
         if num_blocks < 1:
             raise EngineError(f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, weights "
                               f"{self.weight_bytes / 2**30:.2f} GiB, activations {activation_peak / 2**30:.2f} GiB, "
-                              f"decode reserve {reserve / 2**30:.2f} GiB, CUDA context and other device memory "
+                              f"start-up peak without KV (weights, activations, CUDA graphs, sampling) "
+                              f"{peak / 2**30:.2f} GiB, CUDA context and other device memory "
                               f"{outside / 2**30:.2f} GiB", param="gpu_memory_utilization")
         layout = KVCacheLayout(int(num_blocks), self.args.block_size, per_block)
         return layout, MemoryProfile(budget, self.weight_bytes, activation_peak, layout.num_blocks * per_block,
-                                     reserve, outside)
+                                     peak, outside)
+
+    def _trial_start_up(self, max_model_len: int, activation_peak: int) -> TrialStartUp:
+        """Run what start-up and serving add to the device besides the KV pool once, over a one-block scratch KV,
+        and measure the process as the driver counts it: the CUDA graphs (their pool and executables), the
+        eager warm-up forwards, the sampler at max_num_seqs rows with every feature on, and the kernels and
+        libraries they load. Then drop the graphs and the scratch; ``prepare`` captures again over the real pool.
+
+        Why: sized from estimates made before any of this existed, the pool left the process over its budget
+        (SmolLM2 fp16 under 6 GiB: 185 MiB over after 256 requests, BENCHMARKS.md issue 16 session 15), since
+        graph executables and kernel modules loaded after sizing and torch's pool grew past the estimated
+        reserve. The second capture compiles nothing (the trial did), so it costs only the capture itself.
+        Every eager forward and graph dummy writes no KV slot and reads only block 0 (engine/warmup.py)."""
+        started = time.perf_counter()
+        device = self.device
+        self._release_cached_blocks()  # the profiling forward's activations
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_reserved(device)  # the weights and what else outlives a step
+        scratch = self._bind_kv(1)
+        scratch_bytes = sum(2 * k.numel() * k.element_size() for k, _ in scratch)
+        stage_peaks = {}
+
+        def stage_done(name: str) -> None:
+            torch.cuda.synchronize(device)
+            stage_peaks[name] = torch.cuda.max_memory_reserved(device) - scratch_bytes
+            torch.cuda.reset_peak_memory_stats(device)
+
+        if self.use_cuda_graphs:
+            self.graphs = self._capture_graphs(self._max_blocks(max_model_len))
+        stage_done("graphs")
+        eager_forwards = self._eager_warm_up_forwards()
+        stage_done("eager")
+        self._warm_up_sampler()
+        stage_done("sampler")
+        torch_peak = max(*stage_peaks.values(), held + activation_peak)
+        outside = device_bytes_outside_torch(device)  # with the graphs alive: their executables count
+        graphs = len(self.graphs.graphs) if self.graphs is not None else 0
+        self.graphs = None
+        self.model.kv_caches = []
+        del scratch
+        self._release_cached_blocks()
+        log.info("trial start-up: torch's reserved peak %s MiB (graphs, eager forwards, sampling; weights "
+                 "included), outside torch %.0f MiB", " / ".join(f"{v / 2**20:.0f}" for v in stage_peaks.values()),
+                 outside / 2**20)
+        return TrialStartUp(torch_peak, outside, graphs, eager_forwards, time.perf_counter() - started, stage_peaks)
+
+    def _bind_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Allocate a KV cache of ``num_blocks`` on every rank and bind it to the model."""
+        kv = allocate_kv_cache(self.config, num_blocks, self.args.block_size, self.device, self.dtype)
+        if self.workers is not None:
+            from engine.tp_worker import AllocateKV
+
+            self.workers.send(AllocateKV(num_blocks, self.args.block_size))
+        self.model.bind_kv_caches(kv)
+        return kv
+
+    def _warm_up_sampler(self) -> None:
+        """Sample max_num_seqs rows twice, every sampler feature on and greedy: its temporaries at their
+        largest and the libraries it loads (sorting, random numbers) are then part of the trial's peak."""
+        rows, vocab = self.args.max_num_seqs, self.config.vocab_size
+        if self.graphs is not None:  # serving samples from the graphs' logits buffer: no second one
+            logits = self.graphs.logits[:rows].normal_()
+        else:
+            logits = torch.randn((rows, vocab), device=self.device)  # [rows, vocab] float32
+        for batch in sampler_trial_requests(rows):
+            self.sampler.sample(logits, batch)
+            for request in batch:
+                self.sampler.free(request.request_id)
 
     def driver_counted_bytes(self) -> int:
         """This process's device memory as the driver counts it: torch's reserved pool plus everything outside
@@ -239,26 +322,17 @@ class ModelRunner:
         return torch.cuda.memory_reserved(self.device) + device_bytes_outside_torch(self.device)
 
     def check_budget(self) -> None:
-        """After start-up (KV pool, graphs, warm-up): warn when the driver counts more than the budget, which
-        the sizing is meant to prevent (its estimates of the graph pool and the decode temporaries fell short)."""
+        """After start-up (KV pool, graphs, warm-up requests): warn when the driver counts more at the peak than
+        the budget. The trial start-up measured what the pool may not take; a warning means something grew
+        after it."""
         if self.device.type != "cuda":
             return
-        reserved, outside = torch.cuda.memory_reserved(self.device), device_bytes_outside_torch(self.device)
-        used, budget = reserved + outside, self.memory_profile.budget
+        peak, outside = torch.cuda.max_memory_reserved(self.device), device_bytes_outside_torch(self.device)
+        used, budget = peak + outside, self.memory_profile.budget
         if used > budget:
-            log.warning("after start-up the device holds %.2f GiB for this process (torch %.2f GiB + CUDA context "
-                        "and other %.2f GiB), %.0f MiB over its %.2f GiB budget", used / 2**30, reserved / 2**30,
-                        outside / 2**30, (used - budget) / 2**20, budget / 2**30)
-
-    def _decode_reserve_bytes(self, activation_peak: int) -> int:
-        """Memory a step needs beyond the profiled forward (which computed one row of logits): logits and
-        sampling temporaries for max_num_seqs rows, plus the CUDA graph pool. The pool keeps the buffers of
-        the largest captured step (512 tokens), which for a quantized model include the dequantized weight of
-        its largest layer, as the profiled forward's peak does: scaling the peak by tokens under-reserved
-        (7B AWQ at 128 rows: pool 346 MiB, 221 MiB reserved, H200 2026-11-30), so the whole peak is kept."""
-        rows = self.args.max_num_seqs
-        logits = rows * self.config.vocab_size * 4 * 6  # fp16 + fp32 logits, processed copy, probs, noise
-        return logits + (activation_peak if self.use_cuda_graphs else 0)
+            log.warning("during start-up the device held up to %.2f GiB for this process (torch %.2f GiB + CUDA "
+                        "context and other %.2f GiB), %.0f MiB over its %.2f GiB budget", used / 2**30,
+                        peak / 2**30, outside / 2**30, (used - budget) / 2**20, budget / 2**30)
 
     def _profile_cuda(self) -> tuple[int, int]:
         """Budget from --gpu-memory-limit or --gpu-memory-utilization; activation peak of one full-budget forward
@@ -283,10 +357,6 @@ class ModelRunner:
 
             self.workers.send(ProfileForward(num_tokens, self.args.block_size))
         return profile_forward(self.model, num_tokens, self.args.block_size, self.device, self.dtype)
-
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return allocate_kv_cache(self.config, self.layout.num_blocks, self.layout.block_size, self.device,
-                                 self.dtype)
 
     # ---- one step --------------------------------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -9,8 +9,8 @@ the first 128-request batch after a start ran at a fifth of the speed of the thi
 to first token was fifteen times the next one's.
 
 The kernels keep the set small (step sizes that only bound loops are not specialized, sequence counts are
-bucketed), so this is a handful of eager forwards, one per sequence-count bucket (``ModelRunner.
-warm_up_eager_steps``, at start-up), and a few warm-up requests (``run_warmup_requests``) run from the thread
+bucketed), so this is a handful of eager forwards, one per sequence-count bucket (run in the runner's trial
+start-up, ``ModelRunner._trial_start_up``, which also measures their memory), and a few warm-up requests (``run_warmup_requests``) run from the thread
 that will step the engine, since cuBLAS handles and CUDA's current stream belong to a thread. With Triton's
 on-disk cache warm (``$PAGODA_HOME/triton``) both cost well under a second.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.cuda_graph import StepInputs
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
 
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 
@@ -77,6 +77,14 @@ def eager_step(num_tokens: int, num_seqs: int, block_size: int) -> StepInputs:
                       slot_mapping=np.full(num_tokens, -1, np.int64), query_start_loc=starts,
                       context_lens=lengths.copy(), block_tables=np.zeros((num_seqs, width), np.int32),
                       logits_indices=(starts[1:] - 1).astype(np.int64), is_decode=False)
+
+
+def sampler_trial_requests(rows: int) -> list[list[Request]]:
+    """Two batches of ``rows`` requests for the sampler alone: every feature on (WARMUP_SAMPLING[1]), then
+    greedy; each has a short prompt and one output token, so the penalties have a history to count."""
+    return [[Request(request_id=f"pagoda-trial-{kind}-{i}", prompt_token_ids=[1 + i, 2, 3],
+                     sampling_params=params, output_token_ids=[4]) for i in range(rows)]
+            for kind, params in (("features", WARMUP_SAMPLING[1]), ("greedy", WARMUP_SAMPLING[0]))]
 
 
 def warmup_prompts(lengths: list[int], vocab_size: int) -> list[list[int]]:

@@ -177,3 +177,55 @@ def test_the_process_stays_within_its_memory_budget_as_the_driver_counts_it(rand
     peak = torch.cuda.max_memory_reserved(device) + (runner.driver_counted_bytes() - torch.cuda.memory_reserved(device))
     assert peak <= budget, (peak / 2**30, budget / 2**30)
     llm.engine.release()
+
+
+def test_a_served_engine_stays_within_its_budget_as_the_driver_counts_it(random_model):
+    """As ``app.py serve`` runs it: built on this thread, warmed up and stepped on its loop thread (which gets
+    a cuBLAS handle and workspace of its own after the KV pool is sized); 256 concurrent requests with longer
+    prompts than the pool holds at once, so rows fill and requests are preempted. The device's used memory is
+    read every millisecond throughout, and its peak stays within the budget: the engine counts everything
+    outside torch's pool as its own (the CUDA context, what earlier tests left), so no baseline is taken off."""
+    import asyncio
+    import gc
+    import threading
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineArgs
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            peak[0] = max(peak[0], total - free)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    weights = sum(f.stat().st_size for f in random_model.glob("*.safetensors"))
+    limit = f"{(weights + 2.5 * 2**30) / 2**30:.2f}GiB"  # about 1 GiB of KV: fewer tokens than the load asks
+    engine = AsyncEngine(EngineArgs(model=str(random_model), dtype="float16", device="cuda",
+                                    gpu_memory_limit=limit, max_model_len=2048))
+    try:
+        profile = engine.llm_engine.runner.memory_profile
+        prompts = [(p * 64)[:384] for p in random_prompts(random_model)] * 64  # 256 prompts of 384 tokens
+        params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
+
+        async def one(prompt: list[int]) -> int:
+            async for output in engine.generate(prompt_token_ids=prompt, params=params):
+                count = len(output.outputs[0].token_ids)
+            return count
+
+        async def load() -> list[int]:
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        assert asyncio.run(load()) == [64] * len(prompts)
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        sampler.join()
+        engine.shutdown()
+    assert peak[0] <= profile.budget, (peak[0] / 2**20, profile.budget / 2**20)
