@@ -38,6 +38,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=defaults.tensor_parallel_size,
                         help="split the model over this many devices (one worker process each)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=defaults.async_scheduling,
+                        help="schedule each decode step while the previous one runs (its tokens read on the device)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -82,6 +82,7 @@ class EngineArgs:
     force_reference_kernels: bool = False
     fused_decode: bool = True  # one-sequence decode steps through the fused layer where the model allows it
     tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py); 1: this process alone
+    async_scheduling: bool = True  # schedule a decode step before the previous one's tokens are back (vLLM's name)
 
     def with_overrides(self, **kwargs) -> EngineArgs:
         unknown = set(kwargs) - set(self.__dataclass_fields__)

@@ -113,6 +113,7 @@ class StaticBuffers:
         self.context_lens = _Region((max_seqs,), torch.int32, device)
         self.block_tables = _Region((max_seqs, max_blocks), torch.int32, device)
         self.logits_indices = _Region((max_seqs,), torch.int64, device)
+        self._sent: torch.cuda.Event | None = None  # recorded after the last step's copies were queued
 
     def batch(self, num_tokens: int, num_seqs: int, is_decode: bool) -> ForwardBatch:
         """The static ForwardBatch a graph is captured with (views into the buffers)."""
@@ -126,7 +127,11 @@ class StaticBuffers:
             logits_indices=self.logits_indices.device_tensor[:num_seqs], is_decode=is_decode)
 
     def load(self, inputs: StepInputs, num_tokens: int, num_seqs: int) -> None:
-        """Stage a step padded to ``num_tokens`` tokens and ``num_seqs`` sequences, then copy it over."""
+        """Stage a step padded to ``num_tokens`` tokens and ``num_seqs`` sequences, then copy it over. The
+        host staging is reused: a step launched ahead of the previous one's tokens first waits until that
+        step's copies have left it (the copies run when the device reaches them)."""
+        if self._sent is not None:
+            self._sent.synchronize()
         t, s, w, n = inputs.num_tokens, inputs.num_seqs, inputs.width, inputs.logits_indices.shape[0]
         self.input_ids.host[:t], self.input_ids.host[t:num_tokens] = inputs.input_ids, 0
         self.positions.host[:t], self.positions.host[t:num_tokens] = inputs.positions, 0
@@ -143,6 +148,8 @@ class StaticBuffers:
         for region, rows in zip(self.regions(), (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs,
                                                   num_seqs, num_seqs)):
             region.send(rows)
+        self._sent = torch.cuda.Event()
+        self._sent.record()
 
     def regions(self) -> tuple[_Region, ...]:
         return (self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.context_lens,
@@ -233,12 +240,15 @@ class StepGraphs:
             return "ragged", next(t for t in self.ragged_sizes if t >= inputs.num_tokens)
         return None
 
-    def run(self, inputs: StepInputs, shape: tuple[str, int]) -> torch.Tensor:
+    def run(self, inputs: StepInputs, shape: tuple[str, int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay ``shape`` (from ``shape_for``) on this step; returns logits [num_sampled, vocab] float32, a
-        view of static memory valid until the next replay."""
+        view of static memory valid until the next replay. ``input_ids`` [num_tokens] on the device replace
+        the host's (a step scheduled ahead: its tokens are the previous step's samples)."""
         kind, size = shape
         rows = size if kind == "decode" else self.max_seqs
         self.buffers.load(inputs, size, rows)
+        if input_ids is not None:
+            self.buffers.input_ids.device_tensor[:input_ids.shape[0]].copy_(input_ids)
         self.graphs[shape].replay()
         self.replays[kind] += 1
         return self.logits[:inputs.logits_indices.shape[0]]

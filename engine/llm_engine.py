@@ -18,7 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import read_config_dict
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PendingStep
 from engine.request import (
     CompletionOutput,
     Request,
@@ -26,7 +26,7 @@ from engine.request import (
     RequestStatus,
     SamplingParams,
 )
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.structured_output import GrammarStep, StructuredOutputManager
 from engine.tokenizer import Tokenizer
 from engine.warmup import run_warmup_requests, settle_garbage_collector, use_triton_cache_under
@@ -71,6 +71,16 @@ def read_eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Tokenize
     return tuple(sorted(ids))
 
 
+@dataclass
+class InFlightStep:
+    """A launched step. ``advanced``: the next step was scheduled ahead of it, so its tokens fill placeholders
+    (``Scheduler.advance_ahead``) rather than being appended."""
+
+    plan: SchedulerOutput
+    pending: PendingStep
+    advanced: bool = False
+
+
 class LLMEngine:
     """One model, its KV cache, scheduler and sampler. Not thread-safe: AsyncEngine drives it from one thread."""
 
@@ -107,6 +117,7 @@ class LLMEngine:
         self._text_pending: list[tuple[Request, int | None]] = []  # (request, token) whose text is due
         self._grammar_pending: list[Request] = []  # constrained requests whose newest token no grammar has seen
         self._grammar_job: GrammarStep | None = None  # the step in flight's grammar work
+        self._in_flight: InFlightStep | None = None  # a step launched ahead, finished by the next ``step``
         self.counters = EngineCounters()
         log_fn(f"{self.model_name}: KV cache {layout.num_blocks} blocks x {layout.block_size} tokens = "
                f"{layout.capacity_tokens} tokens; maximum concurrency for {self.max_model_len} tokens per request: "
@@ -212,34 +223,74 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or tokens whose text is not out yet (one more ``step``)."""
-        return self.scheduler.has_unfinished_requests() or bool(self._text_pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._text_pending) or self._in_flight is not None
 
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Schedule and launch one step, then, while the device computes it, turn the previous step's tokens
-        into text (detokenize, stop strings, outputs); finally take this step's tokens and apply the stop
-        rules that need no text (eos, stop token ids, lengths).
+        """Schedule and launch one step (unless the last call launched it ahead), then, while the device
+        computes it, turn the previous step's tokens into text (detokenize, stop strings, outputs); where the
+        step allows, schedule and launch the next decode step now, its input tokens read on the device from
+        this step's samples; finally take this step's tokens and apply the stop rules that need no text (eos,
+        stop token ids, lengths).
 
         So outputs trail the tokens by one step, and a stop string ends its request one step late: the token
-        computed meanwhile is dropped (``update_after_step`` skips finished requests). The text work of 128
-        running requests was ~2 ms of host time per step, now hidden behind the device's step.
-        ``final_only`` (offline generation) builds outputs for finished groups only: a cumulative output
-        copies every token id so far.
+        computed meanwhile is dropped (``update_after_step`` skips finished requests); a request that samples
+        eos has its step ahead dropped the same way. The text work of 128 running requests was ~2 ms of host
+        time per step, now hidden behind the device's step; scheduling ahead hides the scheduling and input
+        building of the next step too (1.5 ms of host time a step at 128 rows, 7B, H200: BENCHMARKS.md issue
+        16 session 16). ``final_only`` (offline generation) builds outputs for finished groups only: a
+        cumulative output copies every token id so far.
         """
-        plan = self.scheduler.schedule()
+        current = self._in_flight or self._launch(self.scheduler.schedule())
+        self._in_flight = None
+        outputs = self._process_text(final_only)
+        if self._can_schedule_ahead(current):
+            self.scheduler.advance_ahead(current.plan)
+            current.advanced = True
+            self._in_flight = self._launch(self.scheduler.schedule(), after=current.pending)
+        self._finish(current)
+        return outputs
+
+    def _launch(self, plan: SchedulerOutput, after: PendingStep | None = None) -> InFlightStep:
         for req in plan.preempted:
             self.runner.forget_blocks(req.request_id)
         grammar = self._grammar_step if self.structured.num_requests else None
-        pending = self.runner.launch(plan.scheduled, plan.copy_on_write, grammar)
-        outputs = self._process_text(final_only)
-        to_sample, sampled = pending.result()
+        return InFlightStep(plan, self.runner.launch(plan.scheduled, plan.copy_on_write, grammar, after))
+
+    def _can_schedule_ahead(self, step: InFlightStep) -> bool:
+        """Whether the next step can be launched before ``step``'s tokens are known: every request keeps
+        decoding after it unless it samples eos or a stop token (no length limit in reach), and nothing the
+        next step samples needs those tokens on the host (penalties count them, grammars advance on them,
+        logprobs read the logits the next step overwrites)."""
+        if (not self.args.async_scheduling or not self.runner.can_launch_ahead or self.structured.num_requests
+                or step.pending.sample is None or not self.scheduler.can_schedule_ahead(step.plan)):
+            return False
+        limit = self.scheduler.max_request_tokens
+        for item in step.plan.scheduled:
+            request, params = item.request, item.request.sampling_params
+            if (params.logprobs is not None or params.repetition_penalty != 1.0 or params.presence_penalty
+                    or params.frequency_penalty or request.parent_id not in self.groups
+                    or request.num_tokens + 1 >= limit
+                    or (params.max_tokens is not None and request.num_output_tokens + 1 >= params.max_tokens)):
+                return False
+        return True
+
+    def _finish(self, step: InFlightStep) -> None:
+        """Take ``step``'s tokens: count them (or fill the placeholders of a step scheduled ahead of), apply
+        the stops that need no text, queue their text."""
+        plan = step.plan
+        to_sample, sampled = step.pending.result()
         self._end_completed_grammars()
         token_map = {} if sampled is None else {r.request_id: t for r, t in zip(to_sample, sampled.token_ids)}
         if sampled is not None:
             for req, logprobs in zip(to_sample, sampled.logprobs):
                 if logprobs is not None:
                     req.output_logprobs.append(logprobs)
-        updated = [req for req in self.scheduler.update_after_step(plan, token_map) if req.parent_id in self.groups]
+        if step.advanced:
+            updated = self.scheduler.fill_ahead(plan, token_map)
+        else:
+            updated = self.scheduler.update_after_step(plan, token_map)
+        updated = [req for req in updated if req.parent_id in self.groups]
         for req in updated:
             self.counters.generation_tokens += 1
             self._apply_token_stops(req)
@@ -249,7 +300,6 @@ class LLMEngine:
         for req in plan.finished:  # the scheduler ended these itself (grew past what the KV cache can hold)
             if req.parent_id in self.groups:
                 self._text_pending.append((req, None))
-        return outputs
 
     def _process_text(self, final_only: bool) -> list[RequestOutput]:
         """Detokenize the tokens of the last step, end requests on stop strings, build outputs."""
@@ -360,5 +410,6 @@ class LLMEngine:
         """Abort everything and free the model's device memory (model switching, shutdown)."""
         for request_id in list(self.groups):
             self.abort_request(request_id)
+        self._in_flight = None
         self.runner.release()
         self.structured.close()

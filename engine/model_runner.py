@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -363,11 +364,15 @@ class ModelRunner:
         """Copy-on-write: duplicate block contents (all layers) before a request writes into its private copy."""
         copy_blocks(self.kv_caches, pairs, self.device)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """An eager forward over ``inputs``: logits [num_sampled, vocab] float32. Under tensor parallelism
-        the workers were sent the step first; a failed collective fails the group (EngineStepError)."""
+    def _forward(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """An eager forward over ``inputs`` (``input_ids`` on the device replacing the host's, see
+        ``StepGraphs.run``): logits [num_sampled, vocab] float32. Under tensor parallelism the workers were
+        sent the step first; a failed collective fails the group (EngineStepError)."""
         if self.workers is None:
-            return self.model.forward(inputs.to_batch(self.device))
+            batch = inputs.to_batch(self.device)
+            if input_ids is not None:
+                batch = dataclasses.replace(batch, input_ids=input_ids)
+            return self.model.forward(batch)
         try:
             return self.model.forward(inputs.to_batch(self.device))
         except Exception as exc:
@@ -427,26 +432,35 @@ class ModelRunner:
             is_decode=all(item.num_new_tokens == 1 for item in scheduled))
         return inputs, to_sample
 
+    @property
+    def can_launch_ahead(self) -> bool:
+        """Whether a step may read its input tokens from the previous step's samples on the device (not under
+        tensor parallelism: the workers get the host's inputs)."""
+        return self.workers is None
+
     def launch(self, scheduled, copy_on_write: list[tuple[int, int]],
-               grammar: Callable[[list[Request]], GrammarStep | None] | None = None) -> PendingStep:
+               grammar: Callable[[list[Request]], GrammarStep | None] | None = None,
+               after: PendingStep | None = None) -> PendingStep:
         """Queue one forward over the scheduled tokens (a graph replay when one covers the step) and the
         sampling of requests whose known tokens are all computed; the device works while the caller goes on.
         ``grammar`` posts the step's grammar work for the rows to sample to the grammar process (advance the
         matchers, then write the bitmasks), before the forward is queued. On a GPU the sampling is queued at
         once behind a stream gate the process opens when the masks are written (engine/stream_gate.py);
-        without a gate it is queued at ``result()``, once the masks are there."""
+        without a gate it is queued at ``result()``, once the masks are there. ``after``: a decode step
+        scheduled ahead of that launched step's tokens (``LLMEngine.step``), which it reads on the device."""
         self.copy_blocks(copy_on_write)
         if not scheduled:
             self._send_step(None, copy_on_write)
             return PendingStep([], None)
         inputs, to_sample = self.step_inputs(scheduled)
+        input_ids = self._sampled_ids(after, scheduled) if after is not None else None  # [num_tokens]
         job = grammar(to_sample) if grammar is not None and to_sample else None
         self._send_step(inputs, copy_on_write)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
-            logits = self.graphs.run(inputs, shape)  # [num_sampled, vocab] float32
+            logits = self.graphs.run(inputs, shape, input_ids)  # [num_sampled, vocab] float32
         else:
-            logits = self._forward(inputs)  # [num_sampled, vocab] float32
+            logits = self._forward(inputs, input_ids)  # [num_sampled, vocab] float32
         if not to_sample:
             return PendingStep([], None, grammar=job)
         if job is None or job.bitmask is None:
@@ -457,6 +471,13 @@ class ModelRunner:
             return PendingStep(to_sample, self.sampler.sample_async(logits, to_sample, masks), grammar=job)
         return PendingStep(to_sample, None, lambda: self.sampler.sample_async(logits, to_sample, job.finish()),
                            grammar=job)
+
+    def _sampled_ids(self, after: PendingStep, scheduled) -> torch.Tensor:
+        """The input tokens of a decode step scheduled ahead of ``after``: each request's token sampled by
+        ``after``, gathered on the device ([num_scheduled] int64; the host holds placeholders)."""
+        row_of = {request.request_id: row for row, request in enumerate(after.to_sample)}
+        rows = to_device(np.array([row_of[item.request_id] for item in scheduled], dtype=np.int64), self.device)
+        return after.sample.token_ids.index_select(0, rows)
 
     def _mask_gate_for(self, job: GrammarStep) -> StreamGate | None:
         """The stream gate on the grammar process's done word, its shared buffer pinned for the mask uploads

@@ -53,6 +53,11 @@ class PendingSample:
         else:
             self._host_ids = token_ids
 
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The sampled ids on the device ([n] int64), for a step launched before they reach the host."""
+        return self._token_ids
+
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()

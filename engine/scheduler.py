@@ -28,6 +28,8 @@ from engine.errors import EngineError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
+PLACEHOLDER_TOKEN = -1  # an output token scheduled ahead whose value the device has not returned yet
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -314,6 +316,47 @@ class Scheduler:
         return (parent.status == RequestStatus.RUNNING
                 and parent.num_computed_tokens >= parent.num_prompt_tokens
                 and self.kv_cache_manager.num_blocks_held(parent.request_id) > 0)
+
+    # ---- scheduling ahead (the next decode step before this one's tokens are known) ------------------
+    def can_schedule_ahead(self, output: SchedulerOutput) -> bool:
+        """Whether the step after ``output`` can be scheduled before ``output``'s tokens are known: it decodes
+        every running request, nothing waits (so that schedule admits nobody), and the KV cache gives each
+        request its next token's slot without preempting anyone (the same fresh-block count ``allocate_slots``
+        takes, plus one block per request for a copy-on-write)."""
+        if self.waiting or output.preempted or output.finished or len(output.scheduled) != len(self.running):
+            return False
+        fresh = 0
+        for item in output.scheduled:
+            request = item.request
+            if (item.num_new_tokens != 1 or not item.needs_sample or request.status != RequestStatus.RUNNING
+                    or item.num_computed_tokens + 1 != request.num_tokens):
+                return False
+            held = self.kv_cache_manager.num_blocks_held(request.request_id)
+            fresh += max(0, -(-(request.num_tokens + 1) // self.kv_cache_manager.block_size) - held)
+        return fresh + len(output.scheduled) <= self.kv_cache_manager.block_pool.num_available_blocks
+
+    def advance_ahead(self, output: SchedulerOutput) -> None:
+        """Count ``output``'s tokens computed and give each request a placeholder for the token it samples, so
+        ``schedule`` plans the next decode step now; ``fill_ahead`` puts the sampled tokens in their place."""
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.output_token_ids.append(PLACEHOLDER_TOKEN)
+
+    def fill_ahead(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """``update_after_step`` for a step that ``advance_ahead`` already counted: the sampled tokens replace
+        the placeholders (a request ended meanwhile drops its placeholder), full blocks enter the prefix cache
+        now that their tokens are known. Returns the requests that got a token."""
+        with_new_token = []
+        for item in output.scheduled:
+            request = item.request
+            index = item.num_computed_tokens + item.num_new_tokens - request.num_prompt_tokens
+            if request.status != RequestStatus.RUNNING:
+                del request.output_token_ids[index:]
+                continue
+            request.output_token_ids[index] = int(sampled_token_ids[request.request_id])
+            with_new_token.append(request)
+            self.kv_cache_manager.cache_full_blocks(request)
+        return with_new_token
 
     # ---- after the forward ----------------------------------------------------------------------------
     def update_after_step(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
