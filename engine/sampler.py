@@ -15,6 +15,7 @@ own generator (no cumulative sums that mix rows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -121,9 +122,9 @@ class Sampler:
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
             top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
             top_p = to_device([p.top_p for p in params], device)
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+            in_row_chunks(apply_top_k_top_p, logits, top_k, top_p)
         if any(p.min_p > 0.0 for p in params):
-            logits = apply_min_p(logits, to_device([p.min_p for p in params], device))
+            in_row_chunks(apply_min_p, logits, to_device([p.min_p for p in params], device))
         probs = torch.softmax(logits, dim=-1, out=self._scratch(logits.shape[0], logits))  # [n, vocab]
         noise = self._exponential_noise(requests, probs)  # [n, vocab]
         return probs.div_(noise).argmax(dim=-1)
@@ -339,6 +340,22 @@ class TokenHistory:
             entry.buffer[entry.length:num_tokens] = new
             entry.length = num_tokens
         return entry
+
+
+SAMPLER_CHUNK_ROWS = 32
+
+
+def in_row_chunks(fn: Callable[..., torch.Tensor], logits: torch.Tensor, *per_row: torch.Tensor) -> None:
+    """``logits[:] = fn(logits, *per_row)``, SAMPLER_CHUNK_ROWS rows at a time (``fn`` treats rows alone).
+
+    Why: top-k/top-p sorts the rows, and its temporaries ([rows, vocab] values, int64 indices, cumulative
+    sums) for all 256 rows of a 128k vocabulary at once added 0.83 GiB to torch's peak in the trial start-up
+    (8B AWQ), with sizes that change with every step's row count; a top-p load then grew torch's pool 4.2 GiB
+    past its budget (BENCHMARKS.md, issue 16, session 16: the sampler's varying sizes are the suspect). In
+    chunks the temporaries are at most [32, vocab] and come in two sizes a step."""
+    for start in range(0, logits.shape[0], SAMPLER_CHUNK_ROWS):
+        rows = slice(start, start + SAMPLER_CHUNK_ROWS)
+        logits[rows] = fn(logits[rows], *(values[rows] for values in per_row))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

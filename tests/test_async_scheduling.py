@@ -15,8 +15,8 @@ from engine import LLM, SamplingParams
 
 
 def make_llm(model_dir, async_scheduling: bool, **kwargs) -> LLM:
-    args = dict(dtype="float32", device="cpu", kv_cache_memory="10MiB", max_num_batched_tokens=64,
-                max_num_seqs=8, async_scheduling=async_scheduling)
+    args = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "10MiB", "max_num_batched_tokens": 64,
+            "max_num_seqs": 8, "async_scheduling": async_scheduling}
     args.update(kwargs)
     return LLM(str(model_dir), **args)
 

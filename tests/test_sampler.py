@@ -225,6 +225,24 @@ def test_scratch_cut_from_full_size_blocks_draws_the_same_tokens():
         Sampler(seed=4).sample(logits[1:], requests[1:]).token_ids
 
 
+def test_truncation_in_row_chunks_equals_all_rows_at_once():
+    """The sampler applies top-k/top-p and min-p to 32 rows at a time (bounded temporaries): the masked logits
+    of 70 rows (two whole chunks and a part) are those of the functions over all rows at once."""
+    from engine.sampler import SAMPLER_CHUNK_ROWS, apply_min_p, apply_top_k_top_p, in_row_chunks
+
+    rows = 2 * SAMPLER_CHUNK_ROWS + 6
+    logits = torch.randn(rows, 500) * 4
+    top_k = torch.randint(1, 501, (rows,))
+    top_p = torch.rand(rows) * 0.9 + 0.1
+    min_p = torch.rand(rows) * 0.3
+    expected = apply_min_p(apply_top_k_top_p(logits, top_k, top_p), min_p)
+    chunked = logits.clone()
+    in_row_chunks(apply_top_k_top_p, chunked, top_k, top_p)
+    in_row_chunks(apply_min_p, chunked, min_p)
+    assert torch.equal(chunked, expected)
+    assert torch.isinf(expected).any(1).all()  # every row lost tokens: the masks did something
+
+
 def test_free_forgets_the_generator():
     sampler = Sampler()
     logits = torch.zeros(1, 1000)
