@@ -148,8 +148,9 @@ class StaticBuffers:
         for region, rows in zip(self.regions(), (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs,
                                                   num_seqs, num_seqs)):
             region.send(rows)
-        self._sent = torch.cuda.Event()
-        self._sent.record()
+        if self.input_ids.device_tensor.is_cuda:
+            self._sent = torch.cuda.Event()
+            self._sent.record()
 
     def regions(self) -> tuple[_Region, ...]:
         return (self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.context_lens,

@@ -350,12 +350,13 @@ class Scheduler:
         for item in output.scheduled:
             request = item.request
             index = item.num_computed_tokens + item.num_new_tokens - request.num_prompt_tokens
-            if request.status != RequestStatus.RUNNING:
+            if request.is_finished:
                 del request.output_token_ids[index:]
                 continue
             request.output_token_ids[index] = int(sampled_token_ids[request.request_id])
             with_new_token.append(request)
-            self.kv_cache_manager.cache_full_blocks(request)
+            if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes its blocks later)
+                self.kv_cache_manager.cache_full_blocks(request)
         return with_new_token
 
     # ---- after the forward ----------------------------------------------------------------------------
