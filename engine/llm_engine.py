@@ -234,8 +234,8 @@ class LLMEngine:
         stop token ids, lengths).
 
         So outputs trail the tokens by one step, and a stop string ends its request one step late: the token
-        computed meanwhile is dropped (``update_after_step`` skips finished requests); a request that samples
-        eos has its step ahead dropped the same way. The text work of 128 running requests was ~2 ms of host
+        computed meanwhile is dropped (``update_after_step`` skips finished requests); a request that ends on
+        a token (eos, max_tokens) has its row of the step ahead dropped the same way. The text work of 128 running requests was ~2 ms of host
         time per step, now hidden behind the device's step; scheduling ahead hides the scheduling and input
         building of the next step too (1.5 ms of host time a step at 128 rows, 7B, H200: BENCHMARKS.md issue
         16 session 16). ``final_only`` (offline generation) builds outputs for finished groups only: a
@@ -258,10 +258,11 @@ class LLMEngine:
         return InFlightStep(plan, self.runner.launch(plan.scheduled, plan.copy_on_write, grammar, after))
 
     def _can_schedule_ahead(self, step: InFlightStep) -> bool:
-        """Whether the next step can be launched before ``step``'s tokens are known: every request keeps
-        decoding after it unless it samples eos or a stop token (no length limit in reach), and nothing the
-        next step samples needs those tokens on the host (penalties count them, grammars advance on them,
-        logprobs read the logits the next step overwrites)."""
+        """Whether the next step can be launched before ``step``'s tokens are known: no request's next token
+        would pass the context length (its slot would lie past the block table), and nothing the next step
+        samples needs those tokens on the host (penalties count them, grammars advance on them, logprobs read
+        the logits the next step overwrites). A request that ends on ``step``'s token (eos, a stop token,
+        max_tokens) has its row of the next step dropped."""
         if (not self.args.async_scheduling or not self.runner.can_launch_ahead or self.structured.num_requests
                 or step.pending.sample is None or not self.scheduler.can_schedule_ahead(step.plan)):
             return False
@@ -270,8 +271,7 @@ class LLMEngine:
             request, params = item.request, item.request.sampling_params
             if (params.logprobs is not None or params.repetition_penalty != 1.0 or params.presence_penalty
                     or params.frequency_penalty or request.parent_id not in self.groups
-                    or request.num_tokens + 1 >= limit
-                    or (params.max_tokens is not None and request.num_output_tokens + 1 >= params.max_tokens)):
+                    or request.num_tokens + 1 >= limit):
                 return False
         return True
 

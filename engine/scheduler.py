@@ -320,10 +320,11 @@ class Scheduler:
     # ---- scheduling ahead (the next decode step before this one's tokens are known) ------------------
     def can_schedule_ahead(self, output: SchedulerOutput) -> bool:
         """Whether the step after ``output`` can be scheduled before ``output``'s tokens are known: it decodes
-        every running request, nothing waits (so that schedule admits nobody), and the KV cache gives each
-        request its next token's slot without preempting anyone (the same fresh-block count ``allocate_slots``
-        takes, plus one block per request for a copy-on-write)."""
-        if self.waiting or output.preempted or output.finished or len(output.scheduled) != len(self.running):
+        every running request, schedule would admit nobody (nothing waits, or the running requests fill
+        max_num_seqs), and the KV cache gives each request its next token's slot without preempting anyone
+        (the same fresh-block count ``allocate_slots`` takes, plus one block per request for a copy-on-write)."""
+        admits = self.waiting and len(self.running) < self.config.max_num_seqs
+        if admits or output.preempted or output.finished or len(output.scheduled) != len(self.running):
             return False
         fresh = 0
         for item in output.scheduled:
