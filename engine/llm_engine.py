@@ -221,6 +221,13 @@ class LLMEngine:
             self.runner.free_request(sample.request_id)
             self.structured.free(sample.request_id)
 
+    @property
+    def tokens_in_flight(self) -> dict[str, int]:
+        """Per request, the tokens of the step launched ahead (their KV slots are held, not yet computed)."""
+        if self._in_flight is None:
+            return {}
+        return {item.request_id: item.num_new_tokens for item in self._in_flight.plan.scheduled}
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or tokens whose text is not out yet (one more ``step``)."""
         return self.scheduler.has_unfinished_requests() or bool(self._text_pending) or self._in_flight is not None

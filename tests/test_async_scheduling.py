@@ -98,11 +98,11 @@ def test_aborting_while_a_step_runs_ahead_frees_everything(default_model_dir, ab
         engine.add_request(f"r{i}", prompt_token_ids=prompt["prompt_token_ids"],
                            params=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for _ in range(40):
-        if engine._in_flight is not None and all(r.num_output_tokens >= abort_after
+        if engine.tokens_in_flight and all(r.num_output_tokens >= abort_after
                                                  for r in engine.scheduler.running):
             break  # decoding, the next step launched ahead
         engine.step()
-    assert engine._in_flight is not None and len(engine.scheduler.running) == 4
+    assert len(engine.tokens_in_flight) == 4 and len(engine.scheduler.running) == 4
     engine.abort_request("r0")
     engine.abort_request("r2")
     outputs = []
