@@ -229,7 +229,8 @@ class LLMEngine:
         return {item.request_id: item.num_new_tokens for item in self._in_flight.plan.scheduled}
 
     def has_unfinished_requests(self) -> bool:
-        """Requests still running or waiting, or tokens whose text is not out yet (one more ``step``)."""
+        """Requests still running or waiting, tokens whose text is not out yet, or a step launched ahead (one
+        more ``step`` each)."""
         return self.scheduler.has_unfinished_requests() or bool(self._text_pending) or self._in_flight is not None
 
     # ---- the step --------------------------------------------------------------------------------------------
@@ -242,11 +243,11 @@ class LLMEngine:
 
         So outputs trail the tokens by one step, and a stop string ends its request one step late: the token
         computed meanwhile is dropped (``update_after_step`` skips finished requests); a request that ends on
-        a token (eos, max_tokens) has its row of the step ahead dropped the same way. The text work of 128 running requests was ~2 ms of host
-        time per step, now hidden behind the device's step; scheduling ahead hides the scheduling and input
-        building of the next step too (1.5 ms of host time a step at 128 rows, 7B, H200: BENCHMARKS.md issue
-        16 session 16). ``final_only`` (offline generation) builds outputs for finished groups only: a
-        cumulative output copies every token id so far.
+        a token (eos, max_tokens) has its row of the step ahead dropped the same way. The text work of 128
+        running requests was ~2 ms of host time per step, now hidden behind the device's step; scheduling
+        ahead hides the scheduling and input building of the next step too (1.5 ms of host time a step at 128
+        rows, 7B, H200: BENCHMARKS.md issue 16 session 16). ``final_only`` (offline generation) builds outputs
+        for finished groups only: a cumulative output copies every token id so far.
         """
         current = self._in_flight or self._launch(self.scheduler.schedule())
         self._in_flight = None

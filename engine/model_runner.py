@@ -368,13 +368,13 @@ class ModelRunner:
         """An eager forward over ``inputs`` (``input_ids`` on the device replacing the host's, see
         ``StepGraphs.run``): logits [num_sampled, vocab] float32. Under tensor parallelism the workers were
         sent the step first; a failed collective fails the group (EngineStepError)."""
+        batch = inputs.to_batch(self.device)
+        if input_ids is not None:
+            batch = dataclasses.replace(batch, input_ids=input_ids)
         if self.workers is None:
-            batch = inputs.to_batch(self.device)
-            if input_ids is not None:
-                batch = dataclasses.replace(batch, input_ids=input_ids)
             return self.model.forward(batch)
         try:
-            return self.model.forward(inputs.to_batch(self.device))
+            return self.model.forward(batch)
         except Exception as exc:
             raise self.workers.failure(exc) from exc
 

@@ -329,8 +329,7 @@ class Scheduler:
         fresh = 0
         for item in output.scheduled:
             request = item.request
-            if (item.num_new_tokens != 1 or not item.needs_sample or request.status != RequestStatus.RUNNING
-                    or item.num_computed_tokens + 1 != request.num_tokens):
+            if item.num_new_tokens != 1 or not item.needs_sample or request.status != RequestStatus.RUNNING:
                 return False
             held = self.kv_cache_manager.num_blocks_held(request.request_id)
             fresh += max(0, -(-(request.num_tokens + 1) // self.kv_cache_manager.block_size) - held)

@@ -187,23 +187,15 @@ def test_a_served_engine_stays_within_its_budget_as_the_driver_counts_it(random_
     outside torch's pool as its own (the CUDA context, what earlier tests left), so no baseline is taken off."""
     import asyncio
     import gc
-    import threading
 
+    from bench.memory_budget import UsedMemorySampler
     from engine.async_engine import AsyncEngine
     from engine.config import EngineArgs
 
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    peak, stop = [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            free, total = torch.cuda.mem_get_info()
-            peak[0] = max(peak[0], total - free)
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
+    sampler = UsedMemorySampler(torch.device("cuda"))
     sampler.start()
     weights = sum(f.stat().st_size for f in random_model.glob("*.safetensors"))
     limit = f"{(weights + 2.5 * 2**30) / 2**30:.2f}GiB"  # about 1 GiB of KV: fewer tokens than the load asks
@@ -224,8 +216,8 @@ def test_a_served_engine_stays_within_its_budget_as_the_driver_counts_it(random_
 
         assert asyncio.run(load()) == [64] * len(prompts)
         torch.cuda.synchronize()
+        peak = sampler.take_peak()
     finally:
-        stop.set()
-        sampler.join()
+        sampler.stop()
         engine.shutdown()
-    assert peak[0] <= profile.budget, (peak[0] / 2**20, profile.budget / 2**20)
+    assert peak <= profile.budget, (peak / 2**20, profile.budget / 2**20)
