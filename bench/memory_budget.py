@@ -12,7 +12,9 @@ and eager steps of many sizes run.
     python3 bench/memory_budget.py --shape llama3-8b --gpu-memory-limit 24GiB --out $OUT/memory_budget.json
 
 Rows: the driver-counted peak of start-up and of the load over the budget (target <= 1.0), nvidia-smi's figure
-at the end, and where the budget went (engine/model_runner.py ``MemoryProfile``).
+at the end, where the budget went (engine/model_runner.py ``MemoryProfile``), and torch's allocated and
+reserved peaks during the load with the allocator's retries (each one a return of its cached blocks to the
+driver at the engine's limit, engine/memory.py ``TorchPoolLimit``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from bench.common import BenchRun, add_common_args, at_most, engine_kwargs, info, model_for
 from engine.config import EngineArgs
+from engine.memory import device_bytes_outside_torch
 from engine.request import SamplingParams
 
 MIB = 2**20
@@ -129,12 +132,16 @@ def bench_budget(run: BenchRun) -> None:
             vocab = runner.config.vocab_size
             requests = [([rng.randrange(3, vocab) for _ in range(rng.randint(16, args.input_len))],
                          rng.randint(16, args.output_len)) for _ in range(args.requests)]
+            retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            torch.cuda.reset_peak_memory_stats(device)
             load_started = time.perf_counter()
             generated = asyncio.run(run_load(engine, requests))
             load_seconds = time.perf_counter() - load_started
             torch.cuda.synchronize(device)
             load_peak = sampler.take_peak()
             smi_end = smi_process_bytes(os.getpid())
+            allocator = torch.cuda.memory_stats(device)
+            outside_end = device_bytes_outside_torch(device)
             stats = engine.stats()
         finally:
             engine.shutdown()
@@ -155,13 +162,21 @@ def bench_budget(run: BenchRun) -> None:
                  "GiB"),
             *(info(f"{label}: torch's reserved peak in the trial's {stage} stage", peak / gib, "GiB")
               for stage, peak in runner.trial.stage_peaks.items()),
+            info(f"{label}: torch's pool limit (budget - outside torch)", profile.torch_limit / gib, "GiB"),
             info(f"{label}: KV pool", profile.kv_cache / gib, "GiB"),
             info(f"{label}: KV capacity", runner.layout.capacity_tokens, "tokens"),
             info(f"{label}: start-up (AsyncEngine built and warmed up)", start_up_seconds, "s"),
             info(f"{label}: {args.requests} requests x (16..{args.input_len} + 16..{args.output_len}) generated tokens",
                  generated, "tokens"),
             info(f"{label}: load wall time", load_seconds, "s"),
-            info(f"{label}: preemptions", stats.get("num_preemptions", 0), "requests"))
+            info(f"{label}: preemptions", stats.get("num_preemptions", 0), "requests"),
+            info(f"{label}: torch's allocated peak during the load", allocator["allocated_bytes.all.peak"] / gib,
+                 "GiB"),
+            info(f"{label}: torch's reserved peak during the load", allocator["reserved_bytes.all.peak"] / gib,
+                 "GiB"),
+            info(f"{label}: outside torch after the load", outside_end / gib, "GiB"),
+            info(f"{label}: allocator retries during the load (cached blocks freed at the limit)",
+                 allocator.get("num_alloc_retries", 0) - retries_before, "count"))
 
 
 def main() -> None:

@@ -43,6 +43,42 @@ def device_bytes_outside_torch(device: torch.device) -> int:
     return max(total - free - torch.cuda.memory_reserved(device), 0)
 
 
+class TorchPoolLimit:
+    """One engine's share of the limit on torch's caching allocator for its device (bytes; 0 = none held).
+
+    Why: the KV pool is sized so that torch's pool at its start-up peak plus the memory outside it fits the
+    budget, but serving then asks the allocator for blocks of sizes start-up never did (eager steps, sampling
+    at every row count), and a block cached at one size does not always serve another: an 8B AWQ top-p load
+    grew torch's pool 4.2 GiB past its 24 GiB budget (BENCHMARKS.md issue 16, session 16). Under a limit the
+    allocator returns its cached blocks to the driver and retries before it grows past it, so the process stays
+    within the budget as the driver counts it; it fails only if live tensors alone would not fit.
+
+    The limit is torch's per-process memory fraction, one per device and process, so each engine adds its
+    share to it and takes it back when released: engines of one process (a model switch that keeps the old
+    one serving while the new one loads) each keep their own room."""
+
+    NO_LIMIT_BELOW = 2**20  # a sum of shares this small is rounding left by released ones: no limit
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes = 0
+        self._total = torch.cuda.get_device_properties(device).total_memory
+
+    def hold(self, nbytes: int) -> None:
+        """Make this engine's share ``nbytes`` (the others' shares stay)."""
+        limit = self._limit() - self.bytes + nbytes
+        self.bytes = nbytes
+        fraction = 1.0 if limit < self.NO_LIMIT_BELOW or limit >= self._total else limit / self._total
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+
+    def release(self) -> None:
+        self.hold(0)
+
+    def _limit(self) -> int:
+        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        return 0 if fraction >= 1.0 else round(fraction * self._total)
+
+
 def process_rss() -> int:
     import psutil
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from engine.errors import EngineError
 from engine.fit import cpu_kv_cache_bytes, cuda_budget_bytes
 from engine.forward_batch import ForwardBatch
 from engine.host_to_device import to_device
-from engine.memory import device_bytes_outside_torch
+from engine.memory import TorchPoolLimit, device_bytes_outside_torch
 from engine.model_loader import load_model, read_config_dict
 from engine.parallel import check_divides
 from engine.request import Request
@@ -57,6 +58,7 @@ class MemoryProfile:
     # size do not always serve another (7B AWQ under 24 GiB, a ShareGPT-like mix: torch's pool grew 72 MiB
     # past the trial's peak, BENCHMARKS.md issue 16 session 16)
     outside_torch: int = 0  # measured after the trial: the CUDA context, loaded kernels, graph executables
+    torch_limit: int = 0  # what torch's caching allocator may hold for this engine: budget - outside_torch
 
 
 @dataclass(frozen=True)
@@ -107,18 +109,45 @@ class ModelRunner:
         if args.tensor_parallel_size < 1:
             raise EngineError(f"--tensor-parallel-size must be at least 1, not {args.tensor_parallel_size}",
                               param="tensor_parallel_size")
+        self._pool_limit = self._limit_torch_pool()
         started = time.perf_counter()
-        if args.tensor_parallel_size > 1:
-            self.model = self._load_tensor_parallel(model_dir, max_model_len)
-        else:
-            self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
-                                    fuse_decode=args.fused_decode)
-        self.load_seconds = time.perf_counter() - started
         try:
+            if args.tensor_parallel_size > 1:
+                self.model = self._load_tensor_parallel(model_dir, max_model_len)
+            else:
+                self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
+                                        fuse_decode=args.fused_decode)
+            self.load_seconds = time.perf_counter() - started
             self._size_and_allocate(max_model_len)
+        except torch.OutOfMemoryError as error:
+            self._give_back()
+            raise EngineError(f"the model does not fit in its device memory budget of "
+                              f"{self._budget_gib():.2f} GiB (--gpu-memory-limit / --gpu-memory-utilization): "
+                              f"{str(error).splitlines()[0]}", param="gpu_memory_utilization") from None
         except BaseException:
-            self._stop_workers()
+            self._give_back()
             raise
+
+    def _limit_torch_pool(self) -> TorchPoolLimit | None:
+        """On a GPU, hold torch's caching allocator to the budget less what lies outside it (TorchPoolLimit says
+        why) from the start: the load and the trial start-up count as much as serving. The trial's measure
+        of the memory outside torch tightens it (``_size_kv_cache``); ``release`` (or garbage collection)
+        gives it back."""
+        if self.device.type != "cuda":
+            return None
+        limit = TorchPoolLimit(self.device)
+        weakref.finalize(self, limit.release).atexit = False  # at exit nobody needs the room back
+        limit.hold(cuda_budget_bytes(self.args, self.device) - device_bytes_outside_torch(self.device))
+        return limit
+
+    def _budget_gib(self) -> float:
+        return cuda_budget_bytes(self.args, self.device) / 2**30
+
+    def _give_back(self) -> None:
+        """After a failed start: stop the workers, drop the limit this engine holds."""
+        self._stop_workers()
+        if self._pool_limit is not None:
+            self._pool_limit.release()
 
     def _load_tensor_parallel(self, model_dir: Path, max_model_len: int):
         """Start the workers, load rank 0's shard while they load theirs, wait for them (their load errors
@@ -234,6 +263,7 @@ class ModelRunner:
             self.trial = self._trial_start_up(max_model_len, activation_peak)
             peak, outside = self.trial.torch_peak + activation_peak, self.trial.outside_torch
             kv_budget = budget - peak - outside
+            self._pool_limit.hold(budget - outside)
         else:
             kv_budget = cpu_kv_cache_bytes(self.args)
             budget, activation_peak, peak, outside = self.weight_bytes + kv_budget, 0, self.weight_bytes, 0
@@ -245,8 +275,9 @@ class ModelRunner:
                               f"{peak / 2**30:.2f} GiB, CUDA context and other device memory "
                               f"{outside / 2**30:.2f} GiB", param="gpu_memory_utilization")
         layout = KVCacheLayout(int(num_blocks), self.args.block_size, per_block)
+        limit = self._pool_limit.bytes if self._pool_limit is not None else 0
         return layout, MemoryProfile(budget, self.weight_bytes, activation_peak, layout.num_blocks * per_block,
-                                     peak, outside)
+                                     peak, outside, limit)
 
     def _trial_start_up(self, max_model_len: int, activation_peak: int) -> TrialStartUp:
         """Run what start-up and serving add to the device besides the KV pool once, over a one-block scratch KV,
@@ -509,6 +540,7 @@ class ModelRunner:
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+            self._pool_limit.release()
 
 
 

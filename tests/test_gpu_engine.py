@@ -170,6 +170,8 @@ def test_the_process_stays_within_its_memory_budget_as_the_driver_counts_it(rand
     runner = llm.engine.runner
     budget = runner.memory_profile.budget
     assert runner.memory_profile.outside_torch > 0  # the CUDA context at least
+    assert runner.memory_profile.torch_limit == budget - runner.memory_profile.outside_torch
+    assert allocator_limit(runner.device) == pytest.approx(runner.memory_profile.torch_limit, abs=2**20)
     assert runner.driver_counted_bytes() <= budget
     prompts = [{"prompt_token_ids": p[:64]} for p in random_prompts(random_model)] * 64  # 256 requests
     llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True))
@@ -177,6 +179,71 @@ def test_the_process_stays_within_its_memory_budget_as_the_driver_counts_it(rand
     peak = torch.cuda.max_memory_reserved(device) + (runner.driver_counted_bytes() - torch.cuda.memory_reserved(device))
     assert peak <= budget, (peak / 2**30, budget / 2**30)
     llm.engine.release()
+    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0  # the engine gave its limit back
+
+
+def allocator_limit(device: torch.device) -> int:
+    """The bytes torch's caching allocator may hold on ``device`` (its per-process memory fraction)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return round(torch.cuda.get_per_process_memory_fraction(device) * total)
+
+
+def test_engines_add_their_shares_of_the_allocator_limit_and_give_them_back():
+    """Two engines alive in one process (a switch that keeps the old model serving) each keep their room."""
+    import gc
+
+    from engine.memory import TorchPoolLimit
+
+    gc.collect()  # earlier tests' engines give their shares back when collected
+    device = torch.device("cuda")
+    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0
+    first, second = TorchPoolLimit(device), TorchPoolLimit(device)
+    try:
+        first.hold(8 * 2**30)
+        second.hold(4 * 2**30)
+        assert allocator_limit(device) == pytest.approx(12 * 2**30, abs=2**20)
+        first.hold(6 * 2**30)  # the trial's measure tightens a share
+        assert allocator_limit(device) == pytest.approx(10 * 2**30, abs=2**20)
+        first.release()
+        assert allocator_limit(device) == pytest.approx(4 * 2**30, abs=2**20)
+    finally:
+        first.release()
+        second.release()
+    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0
+
+
+def test_under_its_limit_the_allocator_reuses_memory_instead_of_growing():
+    """Blocks of ever larger sizes, one alive at a time: unlimited, the caching allocator keeps every freed
+    segment and its pool grows by their sum; under a limit it hands its cached segments back and stays there."""
+    import gc
+
+    from engine.memory import TorchPoolLimit
+
+    gc.collect()
+    device = torch.device("cuda")
+    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0  # no engine's share: the limit is this test's
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)
+    sizes = [(256 + 64 * i) * 2**20 for i in range(8)]  # 256..704 MiB: 3.8 GiB in all, 0.7 GiB at once
+
+    def grow() -> int:
+        torch.cuda.reset_peak_memory_stats(device)
+        for size in sizes:
+            block = torch.empty(size, dtype=torch.uint8, device=device)
+            del block
+        peak = torch.cuda.max_memory_reserved(device) - base
+        torch.cuda.empty_cache()
+        return peak
+
+    assert grow() > 3 * 2**30  # the growth the limit exists for
+    limit = TorchPoolLimit(device)
+    try:
+        limit.hold(base + 2**30)
+        assert grow() <= 2**30
+        with pytest.raises(torch.OutOfMemoryError):  # live tensors beyond the limit are refused, not granted
+            torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    finally:
+        limit.release()
 
 
 def test_a_served_engine_stays_within_its_budget_as_the_driver_counts_it(random_model):
