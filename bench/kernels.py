@@ -382,9 +382,10 @@ def mma_cfg(m: int, n: int, k: int, bm_cap: int, bn: int, warps: int, stages: in
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "split": split}
 
 
-def sweep_mma(path: str) -> None:
+def sweep_mma(path: str, tuned_out: str | None = None) -> None:
     """Times the transposed kernel's tiles (w4a16_mma.py) at 32-256 rows on the issue-16 shapes against cuBLAS
-    and the shipped path; writes {"w4a16_mma": [{shape, m, config, us, vs_fp16, fp16_us, shipped_us}]}."""
+    and the shipped path; writes {"w4a16_mma": [{shape, m, config, us, vs_fp16, fp16_us, shipped_us}]}, and
+    with ``tuned_out`` this card's table of tiles there (``tuned_table``)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     found: dict = {"w4a16_mma": []}
     for label, (k, n) in BATCHED_SHAPES.items():
@@ -415,6 +416,42 @@ def sweep_mma(path: str) -> None:
         Path(path).write_text(json.dumps(found, indent=1))
         del packed, dense
         torch.cuda.empty_cache()
+    if tuned_out:
+        write_tuned(tuned_out, torch.cuda.get_device_name(), tuned_table(found["w4a16_mma"], sms))
+
+
+TUNED_MARGIN = 0.97  # a swept tile enters the table only where it beat the rule's by more than 3% (run noise)
+
+
+def tuned_table(rows: list[dict], sms: int) -> dict:
+    """kernels/triton/tuned.py's table for one card from ``--sweep-mma`` rows: per "KxN" and swept row count,
+    the fastest tile whose products were right, where it beat the tile of the rule (``mma_config`` without a
+    table) by more than TUNED_MARGIN; the rule's time is its own row of the sweep, else the shipped path's."""
+    from kernels.triton.w4a16_mma import mma_config
+
+    by_case: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        if "us" in row and row["rel_error"] < 2e-3:
+            by_case.setdefault((row["shape"], row["m"]), []).append(row)
+    table: dict[str, dict[str, dict]] = {}
+    for (label, m), timed in sorted(by_case.items()):
+        k, n = BATCHED_SHAPES[label]
+        rule = mma_config(m, n, k, sms)
+        rule_us = next((r["us"] for r in timed if r["config"] == rule), timed[0]["shipped_us"])
+        best = min(timed, key=lambda r: r["us"])
+        if best["us"] < TUNED_MARGIN * rule_us:
+            tile = {key: best["config"][key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+            table.setdefault(f"{k}x{n}", {})[str(m)] = tile
+            print(f"tuned {label} M={m}: {rule_us:.1f} -> {best['us']:.1f} us {tile}", flush=True)
+    return table
+
+
+def write_tuned(path: str, device: str, table: dict) -> None:
+    """Put one card's table into the tuned file (other cards' entries stay)."""
+    tuned = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    tuned[device] = table
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
 
 
 def write_json(path: str, date: str, copy_bw: float, results: list[Result], extra: list[Result]) -> None:
@@ -435,10 +472,24 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/kernels.json")
     parser.add_argument("--sweep", default=None, help="also time config variants and write them here")
     parser.add_argument("--sweep-mma", default=None, help="also time the 17-128-row kernel's tiles, written here")
+    parser.add_argument("--tuned-out", default=None,
+                        help="with --sweep-mma or --tuned-from: write the card's fastest tiles into this table "
+                             "(kernels/triton/tuned/w4a16_mma.json)")
+    parser.add_argument("--tuned-from", default=None,
+                        help="make the table from an earlier --sweep-mma file (no GPU needed; give --device-name "
+                             "and --sms of the card it ran on)")
+    parser.add_argument("--device-name", default=None)
+    parser.add_argument("--sms", type=int, default=None)
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--only", default="small,decode,prefill,w4a16,batched", help="comma-separated sections")
     parser.add_argument("--ncu", default=None, help="K,N,M: only launch the default W4A16 path 30 times (for ncu)")
     args = parser.parse_args()
+    if args.tuned_from:
+        if not (args.tuned_out and args.device_name and args.sms):
+            parser.error("--tuned-from needs --tuned-out, --device-name and --sms")
+        rows = json.loads(Path(args.tuned_from).read_text())["w4a16_mma"]
+        write_tuned(args.tuned_out, args.device_name, tuned_table(rows, args.sms))
+        return
     if args.ncu:
         k, n, m = (int(v) for v in args.ncu.split(","))
         x = torch.randn(m, k, dtype=DTYPE, device=DEV)
@@ -471,7 +522,7 @@ def main() -> None:
     if args.sweep:
         sweep(copy_bw, args.sweep)
     if args.sweep_mma:
-        sweep_mma(args.sweep_mma)
+        sweep_mma(args.sweep_mma, args.tuned_out)
     for r in extra:
         print(f"  {r.name:<70} {r.value:>10.3f} {r.unit}")
     print(f"\n{'target':<72} {'value':>9} {'unit':<10} {'target':<8} pass")

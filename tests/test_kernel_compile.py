@@ -146,6 +146,33 @@ MMA_VARIANTS = [  # dtype, BLOCK_M, BLOCK_N, warps, stages, splits: the tiles mm
 def test_mma_variant_compiles_for_hopper(dtype, block_m, block_n, warps, stages, splits):
     """The transposed W4A16 kernel: compiles for sm_90 without spills, and the dequantized weight reaches the
     tensor cores as wgmma's register operand (the point of the kernel)."""
+    check_mma_compiles(dtype, block_m, block_n, warps, stages, splits)
+
+
+def tuned_mma_configs() -> list[dict]:
+    """Every launch config the tuned table gives on its card's SM count (132: the H200 it was swept on)."""
+    from kernels.triton.tuned import _table
+    from kernels.triton.w4a16_mma import mma_config
+
+    configs = []
+    for shapes in _table("w4a16_mma").values():
+        for shape, by_rows in shapes.items():
+            k, n = (int(v) for v in shape.split("x"))
+            for rows, tile in by_rows.items():
+                config = mma_config(int(rows), n, k, 132, tile)
+                if config not in configs:
+                    configs.append(config)
+    return configs
+
+
+@pytest.mark.parametrize("config", tuned_mma_configs(), ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_tuned_mma_tiles_compile_for_hopper(config):
+    """The tiles of kernels/triton/tuned/w4a16_mma.json, as the launcher gives them, compile as the rule's do."""
+    check_mma_compiles(torch.float16, config["BLOCK_M"], config["BLOCK_N"], config["num_warps"],
+                       config["num_stages"], config["split"])
+
+
+def check_mma_compiles(dtype, block_m, block_n, warps, stages, splits):
     args = {"x_ptr": dtype, "qw_desc": Descriptor(I32, (16, block_n)), "scales_ptr": dtype, "zeros_ptr": dtype,
             "out_ptr": dtype, "part_ptr": F32, "lock_ptr": I32, "M": 64, "N": 4096, "K": 4096, "k_per_split": 4096 // splits,
             "splits": splits, "lock_rest": 1024 - splits, "stride_xm": 4096, "stride_om": 4096,

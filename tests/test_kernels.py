@@ -190,6 +190,36 @@ def test_gpu_w4a16_mma_variants(dtype, variant, m, act_order):
     _cases().check_w4a16_mma("cuda", dtype, m, 4096, 4144, 128, act_order, variant)
 
 
+def tuned_mma_cases() -> list[tuple[int, int, int]]:
+    """(K, N, M) at both ends of every row bucket of the tuned tile table (kernels/triton/tuned.py)."""
+    from kernels.triton.tuned import _table
+
+    cases = set()
+    for shapes in _table("w4a16_mma").values():
+        for shape, by_rows in shapes.items():
+            k, n = (int(v) for v in shape.split("x"))
+            swept = sorted(int(rows) for rows in by_rows)
+            for lower, rows in zip([swept[0] // 2, *swept[:-1]], swept):
+                cases |= {(k, n, lower + 1), (k, n, rows)}
+    return sorted(cases)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n,m", tuned_mma_cases())
+def test_gpu_w4a16_at_the_tuned_tiles(k, n, m):
+    """The default path where the tuned table applies: on the card it was swept on, its tiles run."""
+    from kernels.triton.tuned import tuned_tile
+    from kernels.triton.w4a16 import tensor_core_plan
+    from kernels.triton.w4a16_mma import mma_config
+
+    x = torch.empty((m, k), dtype=torch.float16, device="cuda")
+    tile = tuned_tile("w4a16_mma", torch.cuda.get_device_name(), k, n, m)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert tensor_core_plan("mma", x, m, n, k) == mma_config(m, n, k, sms, tile)
+    _cases().check_w4a16("cuda", torch.float16, m, k, n, 128, False)
+
+
 GEMV_SHAPES = [(4096, 4096, 128), (4096, 28672, 128), (14336, 4096, 128), (4096, 6144, 128), (576, 960, 32),
                (576, 3072, 32), (1536, 576, 32), (4096, 4144, 128)]
 

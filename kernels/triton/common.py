@@ -28,6 +28,18 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str:
+    """The card's name as the driver gives it ("NVIDIA H200"), which keys the tuned tiles; "" on CPU."""
+    if device.type != "cuda":
+        return ""
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of the device (a small stand-in on CPU so split heuristics still get exercised)."""
     if device.type != "cuda":

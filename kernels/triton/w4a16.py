@@ -36,6 +36,7 @@ from kernels.reference import INT4_BLOCK
 from kernels.triton.common import (
     autotune_disk_cache,
     cdiv,
+    device_name,
     interpreting,
     largest_pow2_divisor,
     launch,
@@ -43,6 +44,7 @@ from kernels.triton.common import (
     num_sms,
 )
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+from kernels.triton.tuned import tuned_tile
 from kernels.triton.w4a16_mma import mma_config, mma_matmul, mma_supported
 from kernels.triton.w4a16_planes import (
     _plane_rows,
@@ -56,7 +58,17 @@ PLANES_MAX_M = 16
 # at 256 rows mma is 1.16-1.19x faster than dequantize + cuBLAS on gate/up and down, 0.94-0.96x on qkv and o:
 # a layer's matmuls 7-9% faster (BENCHMARKS.md, issue 16, session 14)
 MMA_MAX_M = 256
-TENSOR_CORE_PATHS = {"planes": (planes_config, planes_matmul), "mma": (mma_config, mma_matmul)}  # (plan, launch)
+TENSOR_CORE_PATHS = {"planes": planes_matmul, "mma": mma_matmul}  # their launchers
+
+
+def tensor_core_plan(path: str, x: torch.Tensor, m: int, n: int, k: int) -> dict:
+    """The tile and split of a tensor-core path: for mma the tile measured fastest on this card for this
+    shape where one was (kernels/triton/tuned.py), else each path's rule."""
+    sms = num_sms(x.device)
+    if path == "mma":
+        tile = tuned_tile("w4a16_mma", device_name(x.device), k, n, m) if x.is_cuda else None
+        return mma_config(m, n, k, sms, tile)
+    return planes_config(m, n, k, sms)
 
 
 @triton.jit
@@ -458,11 +470,10 @@ def w4a16_matmul(
         return out
     sms = num_sms(x.device)
     if path in TENSOR_CORE_PATHS:
-        plan, run = TENSOR_CORE_PATHS[path]
-        cfg = dict(config or plan(m, n, k, sms))
+        cfg = dict(config or tensor_core_plan(path, x, m, n, k))
         if interpreting():
             cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_warps=4, num_stages=1)
-        run(x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
+        TENSOR_CORE_PATHS[path](x, qweight, scales, zeros, group_size, perm, out, cfg, interpret=interpreting())
         return out
     args = (qweight, scales, zeros, perm if perm is not None else qweight)
     if path == "gemv":

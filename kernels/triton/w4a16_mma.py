@@ -127,22 +127,26 @@ def mma_supported(x: torch.Tensor, group_size: int, k: int) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16) and group_size % K_STEP == 0 and k % K_STEP == 0
 
 
-def mma_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Tile and split-K, the best of sweeps at 32-256 rows on the H200 (BENCHMARKS.md, issue 16, session 14):
-    BLOCK_M covers the rows up to 128; 64 weight columns, 4 warps and 3 stages, unless those tiles need more
-    than one wave (3 programs an SM fit at BLOCK_M <= 64, 2 above: registers and shared memory); then 128
-    columns with 8 warps (8B gate/up at 64 rows: 69.8 us in 448 narrow tiles, 56.1 in 224 wide ones; 7B
-    gate/up, 344 tiles in one wave: 45.2 narrow, 56.0 wide). Split-K while the tiles leave SMs idle, each
-    split at least 4 K steps."""
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
-    m_tiles = triton.cdiv(m, block_m)
-    per_sm = 3 if block_m <= 64 else 2
-    wide = m_tiles * triton.cdiv(n, 64) > per_sm * sms
-    block_n = 128 if wide else 64
-    tiles = m_tiles * triton.cdiv(n, block_n)
+def mma_config(m: int, n: int, k: int, sms: int, tile: dict | None = None) -> dict:
+    """Tile and split-K. ``tile`` (BLOCK_M as a cap, BLOCK_N, num_warps, num_stages) is one measured fastest for
+    this shape and row bucket on this card (kernels/triton/tuned.py); without one, the best of sweeps at 32-256
+    rows on the H200 (BENCHMARKS.md, issue 16, session 14): BLOCK_M covers the rows up to 128; 64 weight
+    columns, 4 warps and 3 stages, unless those tiles need more than one wave (3 programs an SM fit at
+    BLOCK_M <= 64, 2 above: registers and shared memory); then 128 columns with 8 warps (8B gate/up at 64 rows:
+    69.8 us in 448 narrow tiles, 56.1 in 224 wide ones; 7B gate/up, 344 tiles in one wave: 45.2 narrow, 56.0
+    wide). Split-K while the tiles leave SMs idle, each split at least 4 K steps."""
+    rows = max(16, triton.next_power_of_2(m))
+    if tile is None:
+        block_m = min(128, rows)
+        per_sm = 3 if block_m <= 64 else 2
+        wide = triton.cdiv(m, block_m) * triton.cdiv(n, 64) > per_sm * sms
+        tile = {"BLOCK_M": block_m, "BLOCK_N": 128 if wide else 64, "num_warps": 8 if wide else 4,
+                "num_stages": 3}
+    block_m = min(tile["BLOCK_M"], rows)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile["BLOCK_N"])
     split = max(1, min(triton.cdiv(sms, tiles), k // (4 * K_STEP), 16))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8 if wide else 4, "num_stages": 3,
-            "split": split}
+    return {"BLOCK_M": block_m, "BLOCK_N": tile["BLOCK_N"], "num_warps": tile["num_warps"],
+            "num_stages": tile["num_stages"], "split": split}
 
 
 def mma_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -1,0 +1,44 @@
+"""Tiles measured fastest on one card, per kernel, weight shape and row bucket (``tuned/<kernel>.json``).
+
+Why: a rule of thumb picks one tile for every shape, and on the H200 the transposed W4A16 kernel ran some
+shapes up to 1.3x faster with another (7B gate/up at 128 rows: 78.8 us with the rule's 128-column tile, 60.6
+with 64 columns; BENCHMARKS.md issue 16, session 16). Choosing at run time (Triton's autotuner) made the
+choice depend on the first row count that reached a bucket, so the choices are measured offline instead
+(``bench/kernels.py --sweep-mma``, graph replays over rotating weights) and kept per card, as vLLM keeps its
+tuned MoE configs: a card or shape not in the table gets the rule.
+
+A table maps the card's name (``torch.cuda.get_device_name``) to "KxN" (the weight's input and output sizes) to
+the swept row count (as a string) to the tile. A tile chosen at R rows serves the row counts above the next
+smaller swept count (R / 2 for the smallest) up to R.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+@functools.cache
+def _table(kernel: str) -> dict:
+    path = TUNED_DIR / f"{kernel}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def shape_key(k: int, n: int) -> str:
+    return f"{k}x{n}"
+
+
+def tuned_tile(kernel: str, device_name: str, k: int, n: int, m: int) -> dict | None:
+    """The tile measured fastest for a [k, n] weight on ``device_name`` at the row bucket of ``m``, or None
+    (no table, card or shape, or ``m`` outside the swept buckets)."""
+    by_rows = _table(kernel).get(device_name, {}).get(shape_key(k, n))
+    if not by_rows:
+        return None
+    swept = sorted(int(rows) for rows in by_rows)
+    for lower, rows in zip([swept[0] // 2, *swept[:-1]], swept):
+        if lower < m <= rows:
+            return dict(by_rows[str(rows)])
+    return None

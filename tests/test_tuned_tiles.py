@@ -1,0 +1,105 @@
+"""The tuned tile table of the transposed W4A16 kernel: which row counts a swept tile serves, how the launcher
+turns it into a config, and how ``bench/kernels.py`` makes the table from a sweep (CPU only; the tiles
+themselves run in tests/test_kernels.py on the GPU and compile for Hopper in tests/test_kernel_compile.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.triton.tuned import _table, tuned_tile
+from kernels.triton.w4a16_mma import mma_config
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = "NVIDIA H200"
+
+
+def test_the_shipped_table_holds_whole_tiles_for_swept_row_counts():
+    table = _table("w4a16_mma")
+    assert H200 in table
+    for shapes in table.values():
+        for shape, by_rows in shapes.items():
+            k, n = (int(v) for v in shape.split("x"))
+            assert k % 128 == 0 and n > 0
+            for rows, tile in by_rows.items():
+                assert int(rows) in (64, 128, 256)
+                assert set(tile) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+                assert tile["BLOCK_M"] <= int(rows) and tile["BLOCK_N"] in (64, 128)
+
+
+def buckets_of(k: int, n: int) -> list[int]:
+    return sorted(int(rows) for rows in _table("w4a16_mma")[H200][f"{k}x{n}"])
+
+
+def test_a_swept_tile_serves_the_row_counts_of_its_bucket_only():
+    k, n = 4096, 12288  # the 7B qkv: swept tiles at 64, 128 and 256 rows
+    assert buckets_of(k, n) == [64, 128, 256]
+    by_rows = _table("w4a16_mma")[H200]["4096x12288"]
+    for m, rows in [(33, "64"), (64, "64"), (65, "128"), (100, "128"), (128, "128"), (129, "256"), (256, "256")]:
+        assert tuned_tile("w4a16_mma", H200, k, n, m) == by_rows[rows], m
+    for m in (1, 16, 32, 257, 4096):  # below the smallest bucket, above the largest: the rule decides
+        assert tuned_tile("w4a16_mma", H200, k, n, m) is None, m
+
+
+def test_other_cards_shapes_and_kernels_get_the_rule():
+    assert tuned_tile("w4a16_mma", "NVIDIA GeForce RTX 4090", 4096, 12288, 128) is None
+    assert tuned_tile("w4a16_mma", H200, 4096, 12289, 128) is None
+    assert tuned_tile("w4a16_mma", "", 4096, 12288, 128) is None  # CPU
+    assert tuned_tile("no_such_kernel", H200, 4096, 12288, 128) is None
+
+
+def test_a_tile_becomes_a_config_the_way_the_rule_does():
+    tile = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    config = mma_config(100, 4096, 4096, 132, tile)  # BLOCK_M is a cap: 100 rows in two 64-row tiles
+    assert config == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 2}  # 128 tiles
+    assert mma_config(40, 4096, 4096, 132, tile)["BLOCK_M"] == 64
+    wide = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+    assert mma_config(20, 4096, 4096, 132, wide)["BLOCK_M"] == 32  # never wider than the rows need
+    assert mma_config(20, 4096, 4096, 132, wide)["split"] == 5  # 32 tiles: 132 SMs in 5 splits (K allows 8)
+    # without a tile: the rule (128 rows: 64 columns while one wave holds the tiles, 128 with 8 warps beyond)
+    assert mma_config(128, 4096, 4096, 132) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                                                "split": 3}
+    assert mma_config(128, 28672, 4096, 132)["BLOCK_N"] == 128
+
+
+def sweep_row(label: str, m: int, config: dict, us: float, rel_error: float = 3e-4) -> dict:
+    return {"shape": label, "m": m, "config": config, "us": us, "vs_fp16": 1.0, "fp16_us": us, "shipped_us": 50.0,
+            "rel_error": rel_error}
+
+
+def test_the_table_keeps_a_swept_tile_only_where_it_beat_the_rule_by_more_than_noise(tmp_path):
+    """bench/kernels.py --tuned-from: the rule's own row is the baseline; 3% or less is noise; a tile whose
+    products were wrong never enters."""
+    rule_128 = mma_config(128, 4096, 4096, 132)  # 8B o: 64 tiles, split 3
+    narrow = mma_config(128, 4096, 4096, 132, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3})
+    rule_64 = mma_config(64, 4096, 4096, 132)
+    staged = mma_config(64, 4096, 4096, 132, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    wrong = mma_config(64, 4096, 4096, 132, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})
+    label = "8B o 4096x4096"
+    rows = [sweep_row(label, 128, rule_128, 20.0), sweep_row(label, 128, narrow, 17.0),  # 15% faster: kept
+            sweep_row(label, 64, rule_64, 13.0), sweep_row(label, 64, staged, 12.7),  # 2.3%: noise
+            sweep_row(label, 64, wrong, 5.0, rel_error=0.5)]  # fast and wrong: never
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"w4a16_mma": rows}))
+    table = tmp_path / "tuned.json"
+    table.write_text(json.dumps({"Other card": {"1x1": {"64": {}}}}))
+    subprocess.run([sys.executable, str(ROOT / "bench/kernels.py"), "--tuned-from", str(sweep), "--device-name",
+                    "Test card", "--sms", "132", "--tuned-out", str(table)], check=True, capture_output=True)
+    written = json.loads(table.read_text())
+    assert written["Other card"] == {"1x1": {"64": {}}}  # other cards' entries stay
+    assert written["Test card"] == {"4096x4096": {"128": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
+                                                          "num_stages": 3}}}
+
+
+@pytest.mark.parametrize("missing", ["--tuned-out", "--sms"])
+def test_making_a_table_without_its_card_is_refused(tmp_path, missing):
+    args = {"--tuned-from": str(tmp_path / "sweep.json"), "--tuned-out": str(tmp_path / "t.json"),
+            "--device-name": H200, "--sms": "132"}
+    del args[missing]
+    done = subprocess.run([sys.executable, str(ROOT / "bench/kernels.py"), *(v for kv in args.items() for v in kv)],
+                          check=False, capture_output=True, text=True)
+    assert done.returncode != 0 and "--tuned-from needs" in done.stderr
