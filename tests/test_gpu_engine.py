@@ -135,6 +135,27 @@ def test_greedy_matches_transformers_on_gpu(random_model, kernels):
     assert sum(g == e[:len(g)] for g, e in zip(generated, expected)) >= 1
 
 
+def test_scheduling_ahead_changes_no_output_on_gpu(random_model):
+    """--async-scheduling with CUDA graphs: a decode step launched ahead gathers its input ids on the device from
+    the previous step's samples into the graph's static buffer. Every token and finish reason equals the
+    step-by-step engine's (greedy, seeded, top-p requests ending on stop tokens), and steps did run ahead."""
+    from test_async_scheduling import counting_steps_ahead, finished, mixed_requests
+
+    from engine import LLM
+
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(random_model), dtype="float16", device="cuda", gpu_memory_limit="16GiB", max_num_seqs=32,
+                  async_scheduling=async_scheduling)
+        prompts, params = mixed_requests(llm.engine.model_config.vocab_size, 24)
+        steps_ahead = counting_steps_ahead(llm)
+        results[async_scheduling] = finished(llm.generate(prompts, params))
+        assert (steps_ahead[0] > 0) == async_scheduling, steps_ahead
+        assert llm.engine.runner.graphs.replays["decode"] > 0
+        llm.engine.release()
+    assert results[True] == results[False]
+
+
 @pytest.mark.parametrize("mode", ["graphs", "eager"])
 def test_decode_speed_report(random_model, mode, capsys):
     """Not a target check (bench/latency.py owns those): prints batch-1 and batch-32 decode rates with and
