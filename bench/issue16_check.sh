@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Issue 16 on the device: the GPU tests of what changed since the last GPU run, then the figures the issue asks
 # for, most important first, each step cut off after its own timeout so a slow step cannot take the rest with it.
-# All steps take up to ~14 minutes, more than one device call: run them as two calls,
+# All steps take up to ~17 minutes, more than one device call (10 minutes at most): run them as three calls,
 #
-#   bash bench/issue16_check.sh tests memory          (then)    bash bench/issue16_check.sh awq128 timeline batched
+#   bash bench/issue16_check.sh tests memory      bash bench/issue16_check.sh awq128 mix
+#   bash bench/issue16_check.sh timeline batched
 #
 # Steps (default: all, in this order):
 #   tests      the runner's GPU tests (greedy = transformers with graphs and eager, async scheduling, the budget and
 #              the allocator limit) and the W4A16 kernel tests at the tuned tiles
 #   memory     bench/memory_budget.py: 8B AWQ under --gpu-memory-limit 24GiB, start-up and a varied top-p load
 #   awq128     bench/throughput.py --only awq128 on the 7B and the 8B shape (default engine flags)
+#   mix        bench/throughput.py --only mix: the ShareGPT-like mix on fp16 7B against HF transformers' static batch
 #   timeline   bench/step_timeline.py on the 7B shape, with and without --async-scheduling
 #   batched    bench/kernels.py --only batched: the shipped W4A16 path at 16-256 rows against fp16 cuBLAS
 # Writes the benches' JSON files and issue16_check.log (every step's whole output) into $OUT (or bench/results).
@@ -24,7 +26,7 @@ LOG=$OUT_DIR/issue16_check.log
 start=$(date +%s)
 say() { echo "[issue16 +$(( $(date +%s) - start ))s] $*" | tee -a "$LOG"; }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests memory awq128 timeline batched)
+[ ${#steps[@]} -eq 0 ] && steps=(tests memory awq128 mix timeline batched)
 
 run() {  # run TIMEOUT NAME CMD...: the whole output into the log (the device returns at most 8 files), its tail here
   local limit=$1 name=$2 part
@@ -52,6 +54,9 @@ for step in "${steps[@]}"; do
         --out "$OUT_DIR/throughput_awq128.json"
       run 110 throughput_8b "$PY" bench/throughput.py --models-dir "$MODELS" --only awq128 --repeats 2 \
         --shape llama3-8b --out "$OUT_DIR/throughput_awq128_llama3_8b.json" ;;
+    mix)
+      run 230 throughput_mix "$PY" bench/throughput.py --models-dir "$MODELS" --only mix \
+        --out "$OUT_DIR/throughput_mix.json" ;;
     timeline)
       TAIL=25 run 60 timeline_async "$PY" bench/step_timeline.py --models-dir "$MODELS"
       TAIL=25 run 60 timeline_sync "$PY" bench/step_timeline.py --models-dir "$MODELS" --no-async-scheduling ;;
