@@ -63,29 +63,34 @@ SILU: tl.constexpr = tl.constexpr(2)
 ROPE: tl.constexpr = tl.constexpr(3)
 
 
-def _word_dot_ptx(halves: bool) -> str:
-    """The PTX of ``_word_dot``: one packed word's 8 nibbles times their x pairs in half2, then its fp32 sum, or
-    with ``halves`` the sums of the half2's low and high halves apart (two outputs, so the inputs start at $2)."""
-    q, x04, x15, x26, x37, zz, zm = (f"${(2 if halves else 1) + i}" for i in range(7))
+def _word_dot_ptx(halves: bool, words: int = 1) -> str:
+    """The PTX of ``_word_dot``: ``words`` packed words (of one column, from different rows) times their x pairs
+    in one half2 sum, then its fp32 sum, or with ``halves`` the sums of the half2's low and high halves apart (two
+    outputs, so the inputs start at $2). Inputs: the words, then each word's four x pairs, then zz and zm."""
+    first = 2 if halves else 1
+    qs = [f"${first + i}" for i in range(words)]
+    xs = [[f"${first + words + 4 * i + j}" for j in range(4)] for i in range(words)]
+    zz, zm = f"${first + 5 * words}", f"${first + 5 * words + 1}"
     lines = [".reg .b32 a, b, c, d, t, acc, sixteenth;", ".reg .b16 lo, hi;"]
     lines += [] if halves else [".reg .f32 flo, fhi;"]
-    lines += [
-        "mov.b32 sixteenth, 0x2C002C00;",
-        f"lop3.b32 a, {q}, 0x000F000F, 0x64006400, 0xEA;",
-        f"lop3.b32 b, {q}, 0x00F000F0, 0x64006400, 0xEA;",
-        f"shr.u32 t, {q}, 8;",
-        "lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;",
-        "lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;",
-        f"sub.f16x2 a, a, {zz};",
-        f"fma.rn.f16x2 b, b, sixteenth, {zm};",
-        f"sub.f16x2 c, c, {zz};",
-        f"fma.rn.f16x2 d, d, sixteenth, {zm};",
-        f"mul.rn.f16x2 acc, a, {x04};",
-        f"fma.rn.f16x2 acc, b, {x15}, acc;",
-        f"fma.rn.f16x2 acc, c, {x26}, acc;",
-        f"fma.rn.f16x2 acc, d, {x37}, acc;",
-        "mov.b32 {lo, hi}, acc;",
-    ]
+    lines += ["mov.b32 sixteenth, 0x2C002C00;"]
+    for i, (q, (x04, x15, x26, x37)) in enumerate(zip(qs, xs)):
+        lines += [
+            f"lop3.b32 a, {q}, 0x000F000F, 0x64006400, 0xEA;",
+            f"lop3.b32 b, {q}, 0x00F000F0, 0x64006400, 0xEA;",
+            f"shr.u32 t, {q}, 8;",
+            "lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;",
+            "lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;",
+            f"sub.f16x2 a, a, {zz};",
+            f"fma.rn.f16x2 b, b, sixteenth, {zm};",
+            f"sub.f16x2 c, c, {zz};",
+            f"fma.rn.f16x2 d, d, sixteenth, {zm};",
+            f"mul.rn.f16x2 acc, a, {x04};" if i == 0 else f"fma.rn.f16x2 acc, a, {x04}, acc;",
+            f"fma.rn.f16x2 acc, b, {x15}, acc;",
+            f"fma.rn.f16x2 acc, c, {x26}, acc;",
+            f"fma.rn.f16x2 acc, d, {x37}, acc;",
+        ]
+    lines += ["mov.b32 {lo, hi}, acc;"]
     if halves:
         lines += ["cvt.f32.f16 $0, lo;", "cvt.f32.f16 $1, hi;"]
     else:
@@ -95,6 +100,26 @@ def _word_dot_ptx(halves: bool) -> str:
 
 _WORD_DOT_PTX: tl.constexpr = tl.constexpr(_word_dot_ptx(halves=False))
 _WORD_DOT_HALVES_PTX: tl.constexpr = tl.constexpr(_word_dot_ptx(halves=True))
+_TWO_WORDS_DOT_PTX: tl.constexpr = tl.constexpr(_word_dot_ptx(halves=False, words=2))
+
+
+@triton.jit
+def _two_words_dot(qa, qb, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, zz, zm):
+    """``_word_dot`` of two words of each column (rows of one group) in one half2 sum: one fp32 conversion and
+    add for 16 products instead of 8, which the issue-bound loop feels (SASS instructions a word: BENCHMARKS.md
+    issue 15, session 17). Each half then sums 8 products in fp16, not 4: a little more rounding, well inside
+    the output's own (same section). GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm=_TWO_WORDS_DOT_PTX, constraints="=r" + ",r" * 12,
+        args=[qa, qb, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, zz, zm], dtype=tl.float32, is_pure=True,
+        pack=1)
+
+
+@triton.jit
+def _row_halves(t, R: tl.constexpr, BN: tl.constexpr):
+    """Rows 0..R/2-1 and R/2..R-1 of ``t`` [R, BN], apart (a large matrix's rows sit in one thread, so this moves
+    no data)."""
+    return tl.split(tl.permute(tl.reshape(t, [2, R // 2, BN]), (1, 2, 0)))
 
 
 @triton.jit
@@ -426,8 +451,17 @@ def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, N
         x04, x15, x26, x37 = _x_word_pairs(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
                                            norm_ptr.to(tl.pointer_type(tl.int32), bitcast=True), k0, rr,
                                            row_live, NORM, USE_ASM)
-    dots = _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, TWO_GROUPS,
-                     USE_ASM)  # [R, BN], or its low and high halves' sums with TWO_GROUPS
+    R: tl.constexpr = rr.shape[0]
+    if USE_ASM and not TWO_GROUPS and not ROW_GROUPS and R % 2 == 0:  # two rows a half2 sum: [R / 2, BN]
+        qa, qb = _row_halves(qw, R, qw.shape[1])
+        xa04, xb04 = _row_halves(x04[:, None], R, 1)
+        xa15, xb15 = _row_halves(x15[:, None], R, 1)
+        xa26, xb26 = _row_halves(x26[:, None], R, 1)
+        xa37, xb37 = _row_halves(x37[:, None], R, 1)
+        dots = _two_words_dot(qa, qb, xa04, xa15, xa26, xa37, xb04, xb15, xb26, xb37, zz, zm)
+    else:
+        dots = _word_dot(qw, x04[:, None], x15[:, None], x26[:, None], x37[:, None], zz, zm, TWO_GROUPS,
+                         USE_ASM)  # [R, BN], or its low and high halves' sums with TWO_GROUPS
     # (one return: Triton 3.6 compiles on past a return in a taken constexpr branch)
     if TWO_GROUPS:  # each half by its group's scale
         low, high = dots
