@@ -30,7 +30,8 @@ EPILOGUES = {"store": STORE, "residual": RESIDUAL, "silu": SILU, "rope": ROPE}
 
 def compile_gemv(args: argparse.Namespace, plan: GemvPlan):
     """The GEMV specialized as the engine launches it for a K x N weight (Triton's CompiledKernel)."""
-    values = gemv_args(args.k, args.n, args.group, plan, epilogue=EPILOGUES[args.epilogue], norm=args.norm)
+    values = gemv_args(args.k, args.n, args.group, plan, epilogue=EPILOGUES[args.epilogue], norm=args.norm,
+                       prescaled=args.prescaled, next_norm=args.next_norm)
     return compile_source(_gemv_kernel, values, num_warps=args.warps, num_stages=1, maxnreg=plan.max_registers)
 
 
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=14336)
     parser.add_argument("--norm", action="store_true", help="the RMSNorm prologue")
+    parser.add_argument("--prescaled", action="store_true", help="with --norm: x * weight read from normed")
+    parser.add_argument("--next-norm", action="store_true", help="with --epilogue residual: the next norm's input")
     parser.add_argument("--epilogue", choices=sorted(EPILOGUES), default="store")
     parser.add_argument("--one-step", action="store_true", help="each split in one masked K step")
     parser.add_argument("--max-registers", type=int, default=None, help="ptxas's cap (the plan's max_registers)")

@@ -225,24 +225,34 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               normed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, silu: bool = False,
+               rope: dict | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One-row W4A16 matmul with the decode layer's neighbours fused, as the unfused ops compute it.
 
-    x: [1, K]. ``norm_weight`` [K]: x is RMS-normalised first (``rms_norm(x, norm_weight, eps)[0]``).
-    ``residual`` [1, N]: returns ``residual`` with y added in place. ``silu``: the weight holds gate then up
+    x: [1, K]. ``norm_weight`` [K]: x is RMS-normalised first (``rms_norm(x, norm_weight, eps)[0]``). ``normed``
+    [1, K] (with ``norm_weight``): ``x * norm_weight`` as a ``next_norm`` wrote it, which a kernel may read
+    instead of forming it; it must be exactly that (checked here: the contract), and the result is as without it.
+    ``residual`` [1, N]: returns ``residual`` with y added in place; ``next_norm`` = (weight [N], out [1, N])
+    with it: ``out`` gets the new residual times ``weight`` (the next launch's ``normed``). ``silu``: the weight holds gate then up
     columns; returns ``silu_and_mul(y)`` [1, N // 2]. ``rope``: the weight is qkv; dict(positions [1],
     slot_mapping [1], cos_sin_cache, k_cache, v_cache, q_size, kv_size, head_dim; with q_norm, k_norm and eps,
     Qwen3's per-head RMSNorm of q and k first): rotary q and k, k and v written to the slot, returns q [1, q_size].
     Otherwise returns y [1, N]. ``bias`` [N] is added to y before any of these.
     """
+    if normed is not None and (norm_weight is None or not torch.equal(normed, x * norm_weight)):
+        raise ValueError("w4a16_gemv: normed must be x * norm_weight (the previous launch's next_norm output)")
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)[0]
     y = w4a16_matmul(x, qweight, scales, zeros, group_size, perm)  # [1, N] in x's dtype
     if bias is not None:
         y = y + bias
     if residual is not None:
-        return residual.copy_(y + residual)
+        residual.copy_(y + residual)
+        if next_norm is not None:
+            weight, out = next_norm
+            out.copy_(residual * weight)
+        return residual
     if silu:
         return silu_and_mul(y)
     if rope is not None:

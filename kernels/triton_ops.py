@@ -103,10 +103,11 @@ def w4a16_matmul(
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               residual: torch.Tensor | None = None, silu: bool = False, rope: dict | None = None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               normed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, silu: bool = False,
+               rope: dict | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     return gemv.w4a16_gemv(x, qweight, scales, zeros, group_size, perm, norm_weight=norm_weight, eps=eps,
-                           residual=residual, silu=silu, rope=rope, bias=bias)
+                           normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope, bias=bias)
 
 
 def masked_logits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

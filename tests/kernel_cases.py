@@ -303,13 +303,17 @@ def check_w4a16_mma(device: str, dtype: torch.dtype, m: int, k: int, n: int, gro
 
 
 GEMV_FUSIONS = ["plain", "norm", "residual", "silu", "rope", "rope+qk-norm", "norm+silu"]
+# As the fused decode layer launches them: the norm's x * weight read from ``normed``, written by the residual
+# launch before (``next_norm``)
+PRESCALED_FUSIONS = ["prescaled-norm", "prescaled-norm+silu", "prescaled-norm+rope", "residual+next-norm"]
 
 
 def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bool, fusion: str,
                      head_dim: int = 32, plan=None, bias: bool = False) -> None:
     """The M = 1 half2 GEMV (kernels/triton/w4a16_gemv.py), alone or with a fused neighbour, against the unfused
     reference ops: RMSNorm before it, a residual add, silu(gate) * up, or rotary + KV-cache write after it;
-    ``bias``: the linear has one (added to the product before the neighbour, as the unfused Linear adds it)."""
+    ``bias``: the linear has one (added to the product before the neighbour, as the unfused Linear adds it).
+    "prescaled-" fusions pass the norm's x * weight as ``normed``; "+next-norm" also writes the next one."""
     from kernels.triton.w4a16_gemv import w4a16_gemv
 
     dtype = torch.float16
@@ -328,12 +332,16 @@ def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bo
     for call in range(2):  # split-K arrival counters kept on the weight must be ready for the next call
         x = torch.randn(1, k, dtype=dtype, device=device)
         poison(device, n * 8)
+        weight = torch.rand(k, dtype=dtype, device=device) + 0.5  # a norm weight, where the fusion has a norm
+        norm = {"norm_weight": weight, "eps": 1e-5}
+        if fusion.startswith("prescaled-"):
+            norm["normed"] = x * weight  # what the residual launch before writes (its next_norm)
+            fusion = fusion.removeprefix("prescaled-")
         if fusion == "plain":
             assert_rel(w4a16_gemv(x, qweight, scales, zeros, group_size, perm, plan=plan), matmul(x),
                        TOL[dtype]["matmul"], what)
         elif fusion == "norm":
-            weight = torch.rand(k, dtype=dtype, device=device) + 0.5
-            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, norm_weight=weight, eps=1e-5, plan=plan)
+            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, **norm, plan=plan)
             assert_rel(out, matmul(ref.rms_norm(x, weight, 1e-5)[0]), TOL[dtype]["matmul"], what)
         elif fusion == "residual":
             residual = torch.randn(1, n, dtype=dtype, device=device)
@@ -341,21 +349,33 @@ def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bo
             out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, residual=residual, plan=plan)
             assert out is residual, f"{what}: the residual is updated in place"
             assert_rel(out, expected, TOL[dtype]["matmul"], what)
+        elif fusion == "residual+next-norm":  # o and down: the next norm's x * weight written beside the residual
+            residual = torch.randn(1, n, dtype=dtype, device=device)
+            expected = matmul(x) + residual
+            next_weight = torch.rand(n, dtype=dtype, device=device) + 0.5
+            normed = torch.full((1, n), float("nan"), dtype=dtype, device=device)
+            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, residual=residual,
+                             next_norm=(next_weight, normed), plan=plan)
+            assert_rel(out, expected, TOL[dtype]["matmul"], what)
+            assert torch.equal(normed, out * next_weight), f"{what}: normed is the new residual times the weight"
         elif fusion == "norm+silu":  # the gate/up launch of the fused layer: RMSNorm before, SiLU x up after
-            weight = torch.rand(k, dtype=dtype, device=device) + 0.5
-            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, norm_weight=weight, eps=1e-5, silu=True,
-                             plan=plan)
+            out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, **norm, silu=True, plan=plan)
             assert_rel(out, ref.silu_and_mul(matmul(ref.rms_norm(x, weight, 1e-5)[0])), TOL[dtype]["matmul"], what)
         elif fusion == "silu":
             out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, silu=True, plan=plan)
             assert_rel(out, ref.silu_and_mul(matmul(x)), TOL[dtype]["matmul"], what)
+        elif fusion == "norm+rope":  # the qkv launch of the fused layer: RMSNorm before, rotary and the cache after
+            _check_gemv_rope(device, functools.partial(w4a16_gemv, **norm), ref.rms_norm(x, weight, 1e-5)[0],
+                             qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what, plan, x_in=x)
         else:
             _check_gemv_rope(device, w4a16_gemv, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul,
                              what, plan, qk_norm=fusion == "rope+qk-norm")
 
 
 def _check_gemv_rope(device, w4a16_gemv, x, qweight, scales, zeros, group_size, perm, n, head_dim, matmul, what,
-                     plan, qk_norm: bool = False):
+                     plan, qk_norm: bool = False, x_in: torch.Tensor | None = None):
+    """``x``: the product's input as the unfused ops form it; ``x_in``: what the launch gets, where it differs
+    (a fused norm's input)."""
     kv_heads = n // head_dim // 4  # q heads : kv heads = 2 : 1
     heads = 2 * kv_heads
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -383,7 +403,7 @@ def _check_gemv_rope(device, w4a16_gemv, x, qweight, scales, zeros, group_size, 
         k = ref.rms_norm(k.reshape(-1, head_dim), norms["k_norm"], 1e-6)[0].view(k.shape)
     q_rot, k_rot = ref.rotary_embedding(positions, q, k, cos_sin)
     ref.reshape_and_cache(k_rot, v, k_expected, v_expected, slots)
-    out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, rope=rope, plan=plan)
+    out = w4a16_gemv(x if x_in is None else x_in, qweight, scales, zeros, group_size, perm, rope=rope, plan=plan)
     assert_rel(out, q_rot.reshape(1, q_size), TOL[x.dtype]["matmul"], f"{what}: rotary q")
     assert_rel(k_cache, k_expected, TOL[x.dtype]["matmul"], f"{what}: k cache")
     assert_rel(v_cache, v_expected, TOL[x.dtype]["matmul"], f"{what}: v cache")
@@ -553,13 +573,15 @@ def test_w4a16_gemv_variants(kernel, scale_after, serial, group_size):
     [("plain", 32, False, False), ("plain", 128, True, True), ("norm", 64, True, False), ("residual", 256, False, False),
      ("residual", 64, False, True), ("silu", 32, False, False), ("silu", 64, False, True), ("rope", 64, False, False),
      ("rope", 64, False, True), ("rope+qk-norm", 64, False, False), ("norm+silu", 64, False, False),
-     ("norm", 96, True, False)],
+     ("norm", 96, True, False), ("prescaled-norm", 128, False, False), ("prescaled-norm", 64, True, True),
+     ("prescaled-norm+silu", 128, False, False), ("prescaled-norm+rope", 64, False, False),
+     ("residual+next-norm", 128, False, False), ("residual+next-norm", 32, False, True)],
 )
 def test_w4a16_gemv(fusion, group_size, act_order, bias):
     """Group 32: a word's two half2 halves (rows 32 apart) are two groups; 96: a 64-row block's halves are in
     one group or two, block by block; K = 384 holds whole groups of 96 and whole 64-row blocks."""
     k = 384 if group_size == 96 else 256
-    check_w4a16_gemv("cpu", k, 128 if fusion.startswith("rope") else 64, group_size, act_order, fusion, bias=bias)
+    check_w4a16_gemv("cpu", k, 128 if "rope" in fusion else 64, group_size, act_order, fusion, bias=bias)
 
 
 @pytest.mark.parametrize(
@@ -567,7 +589,8 @@ def test_w4a16_gemv(fusion, group_size, act_order, bias):
     [("plain", 1, False, False, 32), ("plain", 3, True, False, 32), ("residual", 1, False, True, 32),
      ("norm", 2, False, False, 32), ("rope", 1, False, True, 32), ("rope", 2, False, False, 32),
      ("rope+qk-norm", 1, False, False, 32), ("norm+silu", 1, False, False, 32), ("silu", 2, False, False, 32),
-     ("plain", 2, False, False, 64), ("norm", 1, True, False, 64)],
+     ("plain", 2, False, False, 64), ("norm", 1, True, False, 64), ("prescaled-norm", 2, False, False, 64),
+     ("prescaled-norm+rope", 1, False, False, 32), ("residual+next-norm", 1, False, False, 32)],
 )
 def test_w4a16_gemv_one_step(fusion, split, act_order, bias, group_size):
     """Plans that load each program's whole split in one step: K = 320 is five 64-row blocks, so the steps
@@ -576,6 +599,6 @@ def test_w4a16_gemv_one_step(fusion, split, act_order, bias, group_size):
     Group 32 has two scale rows per packed row, 64 one."""
     from kernels.triton.w4a16_gemv import GemvPlan
 
-    rope = fusion.startswith("rope")
+    rope = "rope" in fusion
     plan = GemvPlan(block_n=32 if rope else 16, block_k=0, split=split, num_warps=1, one_step=True)
     check_w4a16_gemv("cpu", 320, 128 if rope else 64, group_size, act_order, fusion, plan=plan, bias=bias)

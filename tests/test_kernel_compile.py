@@ -42,6 +42,10 @@ VARIANTS = [
     ("norm+rope+qk-norm", ROPE, True, False),
     ("norm+rope+bias", ROPE, True, False),
     ("residual+bias", RESIDUAL, False, False),
+    # as the fused decode layer launches them: the norm's x * weight read from the residual launch's second output
+    ("prescaled-norm+silu", SILU, True, False),
+    ("prescaled-norm+rope", ROPE, True, False),
+    ("residual+next-norm", RESIDUAL, False, False),
 ]
 
 
@@ -53,7 +57,8 @@ def _8b_width(epilogue) -> int:
 def _gemv_args(name: str, epilogue, norm: bool, perm: bool, plan) -> dict:
     """The GEMV's arguments for a Llama-3-8B-shape launch (K = 4096, group 128) under ``plan``."""
     return gemv_args(4096, _8b_width(epilogue), 128, plan, epilogue=epilogue, norm=norm, perm=perm,
-                     qk_norm="qk-norm" in name, bias="bias" in name)
+                     qk_norm="qk-norm" in name, bias="bias" in name, prescaled=name.startswith("prescaled"),
+                     next_norm="next-norm" in name)
 
 
 CAPPED_SPILL_BYTES = 32
@@ -92,9 +97,11 @@ SMALL_LAUNCHES = [  # (name, K, N, group, epilogue, RMSNorm prologue, rotary siz
 @pytest.mark.parametrize(("name", "k", "n", "group", "epilogue", "norm", "rope"), SMALL_LAUNCHES,
                          ids=[v[0] for v in SMALL_LAUNCHES])
 def test_small_matrix_plans_compile_without_spills(name, k, n, group, epilogue, norm, rope):
-    """A small matrix's plan loads each program's whole K at once: the registers that takes must not spill."""
+    """A small matrix's plan loads each program's whole K at once: the registers that takes must not spill
+    (compiled as the fused layer launches it: a norm's input read prescaled, a residual launch writing the next)."""
     plan = gemv_plan(n, k, group, 132, head_dim=rope["HEAD_DIM"] if rope else None, norm=norm)
-    args = gemv_args(k, n, group, plan, epilogue=epilogue, norm=norm, rope_sizes=rope)
+    args = gemv_args(k, n, group, plan, epilogue=epilogue, norm=norm, rope_sizes=rope, prescaled=norm,
+                     next_norm=epilogue == RESIDUAL)
     kernel = compile_for_hopper(_gemv_kernel, args, plan.num_warps)
     assert kernel.spilled_bytes == 0, f"{name} {plan}: {kernel.registers} registers, {kernel.spilled_bytes} B spilled"
 

@@ -235,7 +235,8 @@ def test_gpu_w4a16_gemv_shapes(k, n, group_size, act_order):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fusion", ["norm", "residual", "silu", "norm+silu"])
+@pytest.mark.parametrize("fusion", ["norm", "residual", "silu", "norm+silu", "prescaled-norm", "prescaled-norm+silu",
+                                    "residual+next-norm"])
 @pytest.mark.parametrize("k,n,group_size", [(4096, 28672, 128), (576, 3072, 32), (14336, 4096, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gpu_w4a16_gemv_fusions(fusion, k, n, group_size, bias):
@@ -245,7 +246,7 @@ def test_gpu_w4a16_gemv_fusions(fusion, k, n, group_size, bias):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("k,n,head_dim,group_size", [(4096, 8192, 128, 128), (576, 1024, 64, 32)])
-@pytest.mark.parametrize("fusion", ["rope", "rope+qk-norm"])
+@pytest.mark.parametrize("fusion", ["rope", "rope+qk-norm", "prescaled-norm+rope"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gpu_w4a16_gemv_rope_and_cache(k, n, head_dim, group_size, fusion, bias):
     _cases().check_w4a16_gemv("cuda", k, n, group_size, False, fusion, head_dim=head_dim, bias=bias)

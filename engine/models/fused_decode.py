@@ -6,7 +6,9 @@ attention, o, norm, gate/up, SiLU, down); here the one-row GEMV (kernels/triton/
 neighbours: the RMSNorm in its prologue, rotary + the KV-cache write, the residual add or SiLU x up in its
 epilogue. What is left per layer: qkv, attention, o, gate/up, down.
 
-The residual stream is one [1, hidden] tensor that the o and down launches add into in place. The arithmetic is
+The residual stream is one [1, hidden] tensor that the o and down launches add into in place; they also write
+the new residual times the next RMSNorm's weight, which the next GEMV's dot reads instead of forming it in its
+loop (it still takes the rms from the residual). The arithmetic is
 that of the unfused ops up to fp16 rounding (``reference.w4a16_gemv`` composes them), so the reference backend
 runs this path too and tests compare it with the unfused forward.
 """
@@ -68,20 +70,26 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     scale = cfg.attention_scale
     residual = model.embed_tokens[batch.input_ids]  # [1, hidden], updated in place by o and down
-    for index, layer in enumerate(model.layers):
+    layers = model.layers
+    normed = residual * layers[0].input_layernorm  # [1, hidden]: the next norm's x * weight, rewritten by o and down
+    for index, layer in enumerate(layers):
         k_cache, v_cache = model.kv_caches[index]
         rope = {"positions": batch.positions, "slot_mapping": batch.slot_mapping, "cos_sin_cache": model.cos_sin_cache,
                 "k_cache": k_cache, "v_cache": v_cache, "q_size": q_size, "kv_size": kv_size,
                 "head_dim": cfg.head_dim}
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before rotary, in the same epilogue
             rope.update(q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
-        q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, rope=rope)  # [1, q_size]
+        q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, normed=normed,
+                  rope=rope)  # [1, q_size]
         attn = model.backend.paged_decode_attention(q.view(1, cfg.num_heads, cfg.head_dim), k_cache, v_cache,
                                                     batch.block_tables, batch.context_lens, scale,
                                                     cfg.window_of(index))
-        _gemv(model, layer.o_proj, attn.reshape(1, q_size), residual=residual)
+        _gemv(model, layer.o_proj, attn.reshape(1, q_size), residual=residual,
+              next_norm=(layer.post_attention_layernorm, normed))
         act = _gemv(model, layer.gate_up_proj, residual, norm_weight=layer.post_attention_layernorm, eps=eps,
-                    silu=True)  # [1, intermediate]
-        _gemv(model, layer.down_proj, act, residual=residual)
+                    normed=normed, silu=True)  # [1, intermediate]
+        last = index + 1 == len(layers)  # the final norm before the head is a launch of its own
+        _gemv(model, layer.down_proj, act, residual=residual,
+              next_norm=None if last else (layers[index + 1].input_layernorm, normed))
     hidden, _ = model.backend.rms_norm(residual, model.norm, eps)
     return torch.nn.functional.linear(hidden, model.lm_head).float()

@@ -498,6 +498,9 @@ def _gemv_kernel(
     q_norm_ptr,
     k_norm_ptr,
     bias_ptr,
+    normed_ptr,
+    next_norm_ptr,
+    normed_out_ptr,
     N,
     K,
     k_per_split,
@@ -521,12 +524,17 @@ def _gemv_kernel(
     SPLITS: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     ONE_STEP: tl.constexpr,
+    PRESCALED: tl.constexpr,
+    NEXT_NORM: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. ONE_STEP: each
     # program's split is one K step of BLOCK_K >= k_per_split rows (masked past it), all loaded at once. The
     # one-step tile spreads its rows over the warps, so a thread's rows lie in different blocks and each loads
     # its own x words (SmolLM2 qkv 253 registers); mapping tile rows i and i + R / 2 to packed rows 2i and 2i + 1
     # (one block's pair) took 175 but measured slower (qkv 3.34 -> 4.09 us, down 2.57 -> 2.80; H200, session 15)
+    # PRESCALED (with NORM): the dot reads x * norm weight from normed_ptr, which the previous launch's
+    # NEXT_NORM epilogue wrote (a residual GEMV also stores residual * the next norm's weight to normed_out_ptr);
+    # x itself then gives only the rms
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8  # packed rows per K step (BLOCK_K: whole 64-row blocks)
@@ -548,12 +556,17 @@ def _gemv_kernel(
         gdc_wait()
         gdc_launch_dependents()
     split_path: tl.constexpr = SPLITS > 1 or EPILOGUE == SILU  # partials and a ticket: the tail reads [splits] sums
+    MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
+    if PRESCALED:
+        dot_ptr = normed_ptr
+    else:
+        dot_ptr = x_ptr
     if NORM and split_path:
         squares = _slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
     else:
         squares = 0.0
     if ONE_STEP:
-        y = _step_dot(x_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, s_high, zz, zm, NORM, HAS_PERM, USE_ASM, True,
+        y = _step_dot(dot_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, s_high, zz, zm, MUL_NORM, HAS_PERM, USE_ASM, True,
                       ROW_GROUPS, TWO_GROUPS)
     else:
         # each step's rows are summed as it ends ([BN] carried, not [R, BN]): a large matrix's rows sit in one
@@ -565,7 +578,7 @@ def _gemv_kernel(
                                                              (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
                                                              ROW_GROUPS, TWO_GROUPS, False,
                                                              USE_ASM)  # masked past the split's end
-            y += _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, NORM, HAS_PERM, USE_ASM, False,
+            y += _step_dot(dot_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, MUL_NORM, HAS_PERM, USE_ASM, False,
                            ROW_GROUPS, TWO_GROUPS)
             qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
@@ -573,20 +586,21 @@ def _gemv_kernel(
         if NORM:
             y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
         _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                            v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, EPILOGUE, Q_SIZE, KV_SIZE,
-                            HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS)
+                            v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
+                            EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM)
     else:
         _split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
                         out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
-                        qk_eps, bias_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N,
-                        HAS_BIAS, NORM)
+                        qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM,
+                        SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM)
 
 
 @triton.jit
 def _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                        q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr,
-                        KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HAS_BIAS: tl.constexpr):
+                        q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
+                        EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NEXT_NORM: tl.constexpr):
     # one split: the program holds its tile's whole product y [BN]. STORE / RESIDUAL finish from registers;
     # ROPE needs each column's rotary partner, held by another thread of the program, so the tile goes through
     # the partial buffer and a barrier (one L2 round trip, no ticket)
@@ -597,23 +611,31 @@ def _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_pt
                        v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, 1.0, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
                        QK_NORM, BLOCK_N, HAS_BIAS)
     else:
-        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, EPILOGUE)
+        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr,
+                    EPILOGUE, NEXT_NORM)
 
 
 @triton.jit
-def _store_tile(total, out_ptr, rn, n_mask, EPILOGUE: tl.constexpr):
-    # STORE / RESIDUAL: the tile's fp16-rounded product total [BN] (fp32) stored, or added into the residual
+def _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE: tl.constexpr,
+                NEXT_NORM: tl.constexpr):
+    # STORE / RESIDUAL: the tile's fp16-rounded product total [BN] (fp32) stored, or added into the residual;
+    # NEXT_NORM (RESIDUAL): the new residual times the next RMSNorm's weight also stored, in fp16 (the product of
+    # two fp16 values is exact in fp32: one rounding, as the next GEMV's own half2 multiply would give)
     if EPILOGUE == RESIDUAL:
         total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, total.to(tl.float16), mask=n_mask)
+    stored = total.to(tl.float16)
+    tl.store(out_ptr + rn, stored, mask=n_mask)
+    if NEXT_NORM:
+        weight = tl.load(next_norm_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(normed_out_ptr + rn, (stored.to(tl.float32) * weight).to(tl.float16), mask=n_mask)
 
 
 @triton.jit
 def _split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
                     out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps,
-                    bias_ptr, K, eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+                    bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr,
+                    KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NEXT_NORM: tl.constexpr):
     # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes.
     # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x), taken
     # from the sums of squares each split stored for its slice of x: the tail's loads (partials and [splits]
@@ -647,7 +669,7 @@ def _split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, r
                            SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
         else:
             total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
-            _store_tile(total, out_ptr, rn, n_mask, EPILOGUE)
+            _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE, NEXT_NORM)
         rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
 
 
@@ -758,6 +780,21 @@ def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
     return x.dtype == torch.float16 and x.shape[0] == 1 and group_size % 32 == 0 and k % 64 == 0
 
 
+def _check_prescaled(x: torch.Tensor, norm_weight, normed, residual, next_norm, n: int) -> None:
+    """``normed`` goes with a norm weight and has x's shape; ``next_norm`` goes with a residual, its weight and
+    output N wide; both fp16 and contiguous (the kernel reads and writes them as flat rows)."""
+    if normed is not None and (norm_weight is None or normed.shape != x.shape or normed.dtype != x.dtype
+                               or not normed.is_contiguous()):
+        raise ValueError(f"w4a16_gemv: normed {tuple(normed.shape)} needs norm_weight and x's shape "
+                         f"{tuple(x.shape)}, dtype and a contiguous layout")
+    if next_norm is not None:
+        weight, out = next_norm
+        if (residual is None or weight.shape != (n,) or out.shape != (1, n) or out.dtype != x.dtype
+                or not out.is_contiguous()):
+            raise ValueError(f"w4a16_gemv: next_norm needs a residual, a weight [{n}] and a contiguous "
+                             f"fp16 output [1, {n}]")
+
+
 def w4a16_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -768,7 +805,9 @@ def w4a16_gemv(
     *,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    normed: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    next_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     silu: bool = False,
     rope: dict | None = None,
     bias: torch.Tensor | None = None,
@@ -777,8 +816,12 @@ def w4a16_gemv(
     """y = x @ W for one row, with optional fused neighbours.
 
     x [1, K] fp16; qweight [K // 8, N] int32; scales, zeros [K // G, N] fp16 (integer zeros); perm [K] | None.
-    norm_weight [K]: x is first RMS-normalised (reference.rms_norm(x, norm_weight, eps)[0]).
-    residual [1, N]: returns residual += y (in place). silu: W holds gate then up columns: returns
+    norm_weight [K]: x is first RMS-normalised (reference.rms_norm(x, norm_weight, eps)[0]). normed [1, K] (with
+    norm_weight): x * norm_weight in fp16, as a ``next_norm`` epilogue wrote it; the dot reads it instead of
+    multiplying x by the weight itself (5 of ~26 SASS instructions a packed word in the loop: BENCHMARKS.md
+    issue 15, session 17), x gives the rms.
+    residual [1, N]: returns residual += y (in place); next_norm = (weight [N], out [1, N]) with it: out is also
+    written with the new residual * weight (the next launch's ``normed``). silu: W holds gate then up columns: returns
     silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
     k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim; Qwen3 also q_norm, k_norm [D] and
     eps): W is qkv; writes rotary k and v to the slot and returns rotary q [1, q_size]. bias [N]: added to
@@ -793,6 +836,7 @@ def w4a16_gemv(
         raise ValueError(f"w4a16_gemv: needs one fp16 row, K a multiple of 64 and a group size that is "
                          f"a multiple of 32 (x {tuple(x.shape)}, {x.dtype}, group {group_size})")
     x = x.contiguous()
+    _check_prescaled(x, norm_weight, normed, residual, next_norm, n)
     head_dim = rope["head_dim"] if rope is not None else None
     plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim, norm=norm_weight is not None)
     k_per_split, splits, block_k = _k_steps(k, group_size, plan)
@@ -823,14 +867,16 @@ def w4a16_gemv(
         norm_weight if norm_weight is not None else dummy,
         extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
         extra.get("k_cache", dummy), extra.get("v_cache", dummy), extra.get("q_norm", dummy),
-        extra.get("k_norm", dummy), bias if bias is not None else dummy,
+        extra.get("k_norm", dummy), bias if bias is not None else dummy, normed if normed is not None else dummy,
+        next_norm[0] if next_norm is not None else dummy, next_norm[1] if next_norm is not None else dummy,
         n, k, k_per_split, splits, LOCK_PERIOD.value - splits * (2 if epilogue == SILU.value else 1), float(eps),
         float(extra.get("eps", 0.0)), GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
         USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
         HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None,
         HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
         NORM_BLOCK=norm_block(k, k_per_split, splits, epilogue == SILU.value) if norm_weight is not None else 1,
-        ONE_STEP=plan.one_step, num_warps=plan.num_warps,
+        ONE_STEP=plan.one_step, PRESCALED=normed is not None, NEXT_NORM=next_norm is not None,
+        num_warps=plan.num_warps,
         **({"launch_pdl": True} if pdl else {}), **_register_cap(plan, perm is not None),
     )
     return out
