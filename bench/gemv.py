@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kernels import bench_graph, copy_bandwidth, random_int4, sets_for
 from kernels.triton import w4a16 as w4a16_mod
 from kernels.triton.common import num_sms
-from kernels.triton.w4a16_gemv import SMALL_MATRIX, GemvPlan, gemv_plan, w4a16_gemv
+from kernels.triton.w4a16_gemv import LARGE_MATRIX_REGISTERS, SMALL_MATRIX, GemvPlan, gemv_plan, w4a16_gemv
 
 DEV = "cuda"
 SHAPES = {  # K x N, group size; the issue's targets are on the Llama-3-8B shapes
@@ -120,7 +120,8 @@ def time_all(x, weights, k: int, n: int, group: int, peer_sets: int) -> dict:
 
 def sweep_plans(k: int, n: int, group: int, sms: int):
     """Tile, warps, K step and programs per SM (the split is the most that keeps the grid within ``per_sm``
-    programs an SM), and one K step a program: the basis of ``gemv_plan``."""
+    programs an SM), one-warp tiles of a large matrix with and without the engine's register cap, and one K
+    step a program: the basis of ``gemv_plan``."""
     small = k * n <= SMALL_MATRIX
     tiles = ((32, 1), (64, 2), (128, 1), (128, 4)) if small else ((32, 1), (128, 1), (256, 2))
     block_ks = (32, 64, 128) if small else (64, 128)
@@ -131,10 +132,12 @@ def sweep_plans(k: int, n: int, group: int, sms: int):
             continue
         steps = k // block_k
         for split in (max(1, min(steps, per_sm * sms // -(-n // block_n), 64)), min(steps, 64)):
-            plan = GemvPlan(block_n, block_k, split, warps)
-            if plan not in seen:
-                seen.add(plan)
-                yield plan
+            caps = (None,) if small or warps > 1 else (None, LARGE_MATRIX_REGISTERS)  # the engine's plans are capped
+            for cap in caps:
+                plan = GemvPlan(block_n, block_k, split, warps, max_registers=cap)
+                if plan not in seen:
+                    seen.add(plan)
+                    yield plan
     if small:  # each program's whole split loaded at once; one split finishes without partials
         for (block_n, warps), split in itertools.product(((32, 2), (32, 4), (64, 4), (64, 8), (128, 4)), (1, 2, 3)):
             if n % block_n == 0:
