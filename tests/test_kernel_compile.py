@@ -158,11 +158,11 @@ def test_mma_variant_compiles_for_hopper(dtype, block_m, block_n, warps, stages,
 
 def tuned_mma_configs() -> list[dict]:
     """Every launch config the tuned table gives on its card's SM count (132: the H200 it was swept on)."""
-    from kernels.triton.tuned import _table
+    from kernels.triton.tuned import load_table
     from kernels.triton.w4a16_mma import mma_config
 
     configs = []
-    for shapes in _table("w4a16_mma").values():
+    for shapes in load_table("w4a16_mma").values():
         for shape, by_rows in shapes.items():
             k, n = (int(v) for v in shape.split("x"))
             for rows, tile in by_rows.items():

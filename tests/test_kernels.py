@@ -192,10 +192,10 @@ def test_gpu_w4a16_mma_variants(dtype, variant, m, act_order):
 
 def tuned_mma_cases() -> list[tuple[int, int, int]]:
     """(K, N, M) at both ends of every row bucket of the tuned tile table (kernels/triton/tuned.py)."""
-    from kernels.triton.tuned import _table
+    from kernels.triton.tuned import load_table
 
     cases = set()
-    for shapes in _table("w4a16_mma").values():
+    for shapes in load_table("w4a16_mma").values():
         for shape, by_rows in shapes.items():
             k, n = (int(v) for v in shape.split("x"))
             swept = sorted(int(rows) for rows in by_rows)

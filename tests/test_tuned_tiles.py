@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.triton.tuned import _table, tuned_tile
+from kernels.triton.tuned import load_table, tuned_tile
 from kernels.triton.w4a16_mma import mma_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ H200 = "NVIDIA H200"
 
 
 def test_the_shipped_table_holds_whole_tiles_for_swept_row_counts():
-    table = _table("w4a16_mma")
+    table = load_table("w4a16_mma")
     assert H200 in table
     for shapes in table.values():
         for shape, by_rows in shapes.items():
@@ -32,13 +32,13 @@ def test_the_shipped_table_holds_whole_tiles_for_swept_row_counts():
 
 
 def buckets_of(k: int, n: int) -> list[int]:
-    return sorted(int(rows) for rows in _table("w4a16_mma")[H200][f"{k}x{n}"])
+    return sorted(int(rows) for rows in load_table("w4a16_mma")[H200][f"{k}x{n}"])
 
 
 def test_a_swept_tile_serves_the_row_counts_of_its_bucket_only():
     k, n = 4096, 12288  # the 7B qkv: swept tiles at 64, 128 and 256 rows
     assert buckets_of(k, n) == [64, 128, 256]
-    by_rows = _table("w4a16_mma")[H200]["4096x12288"]
+    by_rows = load_table("w4a16_mma")[H200]["4096x12288"]
     for m, rows in [(33, "64"), (64, "64"), (65, "128"), (100, "128"), (128, "128"), (129, "256"), (256, "256")]:
         assert tuned_tile("w4a16_mma", H200, k, n, m) == by_rows[rows], m
     for m in (1, 16, 32, 257, 4096):  # below the smallest bucket, above the largest: the rule decides

@@ -22,7 +22,8 @@ TUNED_DIR = Path(__file__).with_name("tuned")
 
 
 @functools.cache
-def _table(kernel: str) -> dict:
+def load_table(kernel: str) -> dict:
+    """The whole table of ``kernel`` ({} when there is none): card -> "KxN" -> swept rows -> tile."""
     path = TUNED_DIR / f"{kernel}.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -34,7 +35,7 @@ def shape_key(k: int, n: int) -> str:
 def tuned_tile(kernel: str, device_name: str, k: int, n: int, m: int) -> dict | None:
     """The tile measured fastest for a [k, n] weight on ``device_name`` at the row bucket of ``m``, or None
     (no table, card or shape, or ``m`` outside the swept buckets)."""
-    by_rows = _table(kernel).get(device_name, {}).get(shape_key(k, n))
+    by_rows = load_table(kernel).get(device_name, {}).get(shape_key(k, n))
     if not by_rows:
         return None
     swept = sorted(int(rows) for rows in by_rows)
