@@ -43,6 +43,19 @@ def device_bytes_outside_torch(device: torch.device) -> int:
     return max(total - free - torch.cuda.memory_reserved(device), 0)
 
 
+def cuda_index(device: torch.device) -> int:
+    """The device's index (torch's per-device settings take an index; "cuda" alone is the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def allocator_limit(device: torch.device) -> int:
+    """The bytes torch's caching allocator may hold on ``device`` under its per-process memory fraction (0: no
+    limit, the fraction at 1)."""
+    index = cuda_index(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
+    return 0 if fraction >= 1.0 else round(fraction * torch.cuda.get_device_properties(index).total_memory)
+
+
 class TorchPoolLimit:
     """One engine's share of the limit on torch's caching allocator for its device (bytes; 0 = none held).
 
@@ -60,23 +73,19 @@ class TorchPoolLimit:
     NO_LIMIT_BELOW = 2**20  # a sum of shares this small is rounding left by released ones: no limit
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.index = cuda_index(device)
         self.bytes = 0
-        self._total = torch.cuda.get_device_properties(device).total_memory
+        self._total = torch.cuda.get_device_properties(self.index).total_memory
 
     def hold(self, nbytes: int) -> None:
         """Make this engine's share ``nbytes`` (the others' shares stay)."""
-        limit = self._limit() - self.bytes + nbytes
+        limit = allocator_limit(torch.device("cuda", self.index)) - self.bytes + nbytes
         self.bytes = nbytes
         fraction = 1.0 if limit < self.NO_LIMIT_BELOW or limit >= self._total else limit / self._total
-        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        torch.cuda.set_per_process_memory_fraction(fraction, self.index)
 
     def release(self) -> None:
         self.hold(0)
-
-    def _limit(self) -> int:
-        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
-        return 0 if fraction >= 1.0 else round(fraction * self._total)
 
 
 def process_rss() -> int:

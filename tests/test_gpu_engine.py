@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.memory import allocator_limit
 
 pytestmark = pytest.mark.gpu
 
@@ -192,6 +193,7 @@ def test_the_process_stays_within_its_memory_budget_as_the_driver_counts_it(rand
     budget = runner.memory_profile.budget
     assert runner.memory_profile.outside_torch > 0  # the CUDA context at least
     assert runner.memory_profile.torch_limit == budget - runner.memory_profile.outside_torch
+    # runner.device is "cuda" without an index: torch's fraction functions need one (engine/memory.py resolves it)
     assert allocator_limit(runner.device) == pytest.approx(runner.memory_profile.torch_limit, abs=2**20)
     assert runner.driver_counted_bytes() <= budget
     prompts = [{"prompt_token_ids": p[:64]} for p in random_prompts(random_model)] * 64  # 256 requests
@@ -200,13 +202,7 @@ def test_the_process_stays_within_its_memory_budget_as_the_driver_counts_it(rand
     peak = torch.cuda.max_memory_reserved(device) + (runner.driver_counted_bytes() - torch.cuda.memory_reserved(device))
     assert peak <= budget, (peak / 2**30, budget / 2**30)
     llm.engine.release()
-    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0  # the engine gave its limit back
-
-
-def allocator_limit(device: torch.device) -> int:
-    """The bytes torch's caching allocator may hold on ``device`` (its per-process memory fraction)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return round(torch.cuda.get_per_process_memory_fraction(device) * total)
+    assert allocator_limit(device) == 0  # the engine gave its limit back
 
 
 def test_engines_add_their_shares_of_the_allocator_limit_and_give_them_back():
@@ -216,8 +212,8 @@ def test_engines_add_their_shares_of_the_allocator_limit_and_give_them_back():
     from engine.memory import TorchPoolLimit
 
     gc.collect()  # earlier tests' engines give their shares back when collected
-    device = torch.device("cuda")
-    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0
+    device = torch.device("cuda")  # no index: the current device, as the engine's own
+    assert allocator_limit(device) == 0
     first, second = TorchPoolLimit(device), TorchPoolLimit(device)
     try:
         first.hold(8 * 2**30)
@@ -230,7 +226,7 @@ def test_engines_add_their_shares_of_the_allocator_limit_and_give_them_back():
     finally:
         first.release()
         second.release()
-    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0
+    assert allocator_limit(device) == 0
 
 
 def test_under_its_limit_the_allocator_reuses_memory_instead_of_growing():
@@ -242,7 +238,7 @@ def test_under_its_limit_the_allocator_reuses_memory_instead_of_growing():
 
     gc.collect()
     device = torch.device("cuda")
-    assert torch.cuda.get_per_process_memory_fraction(device) == 1.0  # no engine's share: the limit is this test's
+    assert allocator_limit(device) == 0  # no engine's share: the limit is this test's
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved(device)
     sizes = [(256 + 64 * i) * 2**20 for i in range(8)]  # 256..704 MiB: 3.8 GiB in all, 0.7 GiB at once
