@@ -8,7 +8,8 @@ epilogue. What is left per layer: qkv, attention, o, gate/up, down.
 
 The residual stream is one [1, hidden] tensor that the o and down launches add into in place; they also write
 the new residual times the next RMSNorm's weight, which the next GEMV's dot reads instead of forming it in its
-loop (it still takes the rms from the residual). The arithmetic is
+loop (it still takes the rms from the residual; the first layer's qkv, after the embedding, forms it itself).
+The arithmetic is
 that of the unfused ops up to fp16 rounding (``reference.w4a16_gemv`` composes them), so the reference backend
 runs this path too and tests compare it with the unfused forward.
 """
@@ -71,7 +72,7 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
     scale = cfg.attention_scale
     residual = model.embed_tokens[batch.input_ids]  # [1, hidden], updated in place by o and down
     layers = model.layers
-    normed = residual * layers[0].input_layernorm  # [1, hidden]: the next norm's x * weight, rewritten by o and down
+    normed = torch.empty_like(residual)  # [1, hidden]: the next norm's x * weight, written by o and down
     for index, layer in enumerate(layers):
         k_cache, v_cache = model.kv_caches[index]
         rope = {"positions": batch.positions, "slot_mapping": batch.slot_mapping, "cos_sin_cache": model.cos_sin_cache,
@@ -79,8 +80,8 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
                 "head_dim": cfg.head_dim}
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before rotary, in the same epilogue
             rope.update(q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
-        q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps, normed=normed,
-                  rope=rope)  # [1, q_size]
+        q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps,
+                  normed=normed if index else None, rope=rope)  # [1, q_size]; layer 0 forms x * weight itself
         attn = model.backend.paged_decode_attention(q.view(1, cfg.num_heads, cfg.head_dim), k_cache, v_cache,
                                                     batch.block_tables, batch.context_lens, scale,
                                                     cfg.window_of(index))
