@@ -8,13 +8,15 @@ changes, so a change is judged against its predecessor in the same run. The base
     python3 bench/gemv_ab.py --baseline-file scratch/old_w4a16_gemv.py --out bench/results/kernels_gemv_ab.json
 
 Each case is a launch of the fused decode layer (SmolLM2-135M, Llama-2-7B and Llama-3-8B shapes, default
-plans), timed as CUDA-graph replays over rotating weights, baseline and current alternately, twice each.
+plans) with the arguments the engine passes to that version (the prescaled norm input where it has one),
+timed as CUDA-graph replays over rotating weights, baseline and current alternately, twice each.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import sys
 from functools import partial
@@ -54,15 +56,27 @@ def rope_args(q_size: int, kv_size: int, head_dim: int) -> dict:
 
 
 def layer_launches(shape: str):
-    """(label, K, N, group, fused keyword arguments) of the four GEMV launches of a fused decode layer."""
+    """(label, K, N, group, fused keyword arguments, what a version with ``normed`` / ``next_norm`` adds) of the
+    four GEMV launches of a fused decode layer."""
     hidden, inter, q_size, kv_size, head_dim, group = LAYERS[shape]
     norm = torch.rand(hidden, dtype=torch.float16, device=DEV) + 0.5
     residual = torch.randn(1, hidden, dtype=torch.float16, device=DEV)
+    normed = torch.empty_like(residual)  # the next norm's x * weight, as o and down write it
+    next_norm = {"next_norm": (norm, normed)}
     yield f"{shape} qkv norm+rope", hidden, q_size + 2 * kv_size, group, {
-        "norm_weight": norm, "eps": 1e-5, "rope": rope_args(q_size, kv_size, head_dim)}
-    yield f"{shape} o residual", q_size, hidden, group, {"residual": residual}
-    yield f"{shape} gate/up norm+silu", hidden, 2 * inter, group, {"norm_weight": norm, "eps": 1e-5, "silu": True}
-    yield f"{shape} down residual", inter, hidden, group, {"residual": residual}
+        "norm_weight": norm, "eps": 1e-5, "rope": rope_args(q_size, kv_size, head_dim)}, {"normed": normed}
+    yield f"{shape} o residual", q_size, hidden, group, {"residual": residual}, next_norm
+    yield f"{shape} gate/up norm+silu", hidden, 2 * inter, group, {"norm_weight": norm, "eps": 1e-5, "silu": True}, {
+        "normed": normed}
+    yield f"{shape} down residual", inter, hidden, group, {"residual": residual}, next_norm
+
+
+def engine_kwargs(module, fused: dict, prescaled: dict) -> dict:
+    """A launch's arguments as the engine passes them to this version: with the prescaled norm input where the
+    version has it (its ``w4a16_gemv`` takes ``normed`` and ``next_norm``)."""
+    if "normed" in inspect.signature(module.w4a16_gemv).parameters:
+        return {**fused, **prescaled}
+    return fused
 
 
 def main() -> None:
@@ -73,13 +87,14 @@ def main() -> None:
     versions = {"baseline": load_baseline(args.baseline_file), "current": current}
     rows = []
     for shape in LAYERS:
-        for label, k, n, group, fused in layer_launches(shape):
+        for label, k, n, group, fused, prescaled in layer_launches(shape):
             weights = [random_int4(k, n, group) for _ in range(sets_for(k * n // 2))]
             x = torch.randn(1, k, dtype=torch.float16, device=DEV)
             times = {name: [] for name in versions}
             for _ in range(2):
                 for name, module in versions.items():
-                    calls = [partial(module.w4a16_gemv, x, *w, group, **fused) for w in weights]
+                    kwargs = engine_kwargs(module, fused, prescaled)
+                    calls = [partial(module.w4a16_gemv, x, *w, group, **kwargs) for w in weights]
                     times[name].append(round(bench_graph(calls) * 1e3, 2))
             rows.append({"case": label, **{f"{name}_us": t for name, t in times.items()}})
             print(f"{label:<28} baseline {times['baseline']} us, current {times['current']} us", flush=True)

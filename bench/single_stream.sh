@@ -8,7 +8,8 @@
 # timings are CUDA-graph replays timed on the device; the two end-to-end benches (llama.cpp's, then ours with
 # --llamacpp pointing at its output) run after the build, with nothing else on the machine. Writes
 # llamacpp.txt, latency.json, kernels_gemv.json and single_stream.log into $OUT (or bench/results).
-# $MODELS: the latency shapes (default smollm2-135m,llama2-7b,llama3-8b); $LATENCY_FLAGS: extra latency flags.
+# $MODELS: the latency shapes (default smollm2-135m,llama2-7b,llama3-8b); $LATENCY_FLAGS: extra latency flags;
+# $GEMV_BASELINE: an earlier kernels/triton/w4a16_gemv.py to A/B the fused layer's launches against (carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-bench/results}
@@ -36,6 +37,12 @@ timeout 200 $PY -m pytest -q -m gpu tests/test_kernels.py tests/test_fused_decod
 say "int4 GEMV at M = 1 against GemLite and tinygemm"
 timeout 150 $PY bench/gemv.py --only "8B,SmolLM2" --out "$OUT_DIR/kernels_gemv.json" 2>&1 | grep -E "^w4a16|card" \
   | tee -a "$LOG"
+
+if [ -n "${GEMV_BASELINE:-}" ]; then  # an earlier w4a16_gemv.py (git show <commit>:kernels/triton/w4a16_gemv.py)
+  say "fused-layer launches against $GEMV_BASELINE"
+  timeout 120 $PY bench/gemv_ab.py --baseline-file "$GEMV_BASELINE" --out "$OUT_DIR/kernels_gemv_ab.json" 2>&1 \
+    | grep -E "baseline|Error" | tee -a "$LOG"
+fi
 
 say "waiting for the llama.cpp build"
 while [ ! -f $LCPP/done ] && [ $(( $(date +%s) - start )) -lt 420 ]; do sleep 5; done
