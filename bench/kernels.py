@@ -371,6 +371,9 @@ def sweep(copy_bw: float, path: str) -> None:
 MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's tiles timed by --sweep-mma
     (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (256, 64, 4, 2), (256, 64, 8, 2),
     (256, 128, 8, 2),
+    # wider weight tiles a warpgroup (two 64-row wgmmas each step): x is staged once for 128 or 256 weight
+    # columns instead of 64; compiled for sm_90 without spills (181-184 registers at BLOCK_M 64)
+    (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (64, 64, 4, 4),
 ]
 MMA_SWEEP_ROWS = (64, 128, 256)
 
