@@ -155,12 +155,17 @@ def time_fusions() -> None:
             "head_dim": head_dim}
     norm = torch.rand(hidden, dtype=torch.float16, device=DEV) + 0.5
     residual = torch.randn(1, hidden, dtype=torch.float16, device=DEV)
+    normed = torch.empty_like(residual)  # x * norm weight, as the fused layer's o and down write it
+    prescaled = {"norm_weight": norm, "normed": normed}
     cases = {
         "qkv 4096x12288": (4096, 12288, {"": {}, "norm": {"norm_weight": norm}, "rope": {"rope": rope},
-                                          "norm+rope": {"norm_weight": norm, "rope": rope}}),
+                                          "norm+rope": {"norm_weight": norm, "rope": rope},
+                                          "prescaled norm+rope": {**prescaled, "rope": rope}}),
         "gate/up 4096x22016": (4096, 22016, {"": {}, "norm": {"norm_weight": norm}, "silu": {"silu": True},
-                                              "norm+silu": {"norm_weight": norm, "silu": True}}),
-        "o 4096x4096": (4096, 4096, {"": {}, "residual": {"residual": residual}}),
+                                              "norm+silu": {"norm_weight": norm, "silu": True},
+                                              "prescaled norm+silu": {**prescaled, "silu": True}}),
+        "o 4096x4096": (4096, 4096, {"": {}, "residual": {"residual": residual},
+                                      "residual+next norm": {"residual": residual, "next_norm": (norm, normed)}}),
     }
     for label, (k, n, variants) in cases.items():
         weights = [random_int4(k, n, 128) for _ in range(sets_for(weight_bytes(k, n, 128)))]
