@@ -8,9 +8,12 @@ math, an unpack per nibble, converts), so they ran at the issue rate, not at mem
 - Byte b of two packed rows becomes two fp16x2 registers with one PRMT and two LOP3 (``_unpack_byte``): the
   nibble ORed into the mantissa of 1024 (even nibble: 1024 + code; odd nibble, masked in place: 1024 + 16 *
   code, its x plane pre-divided by 16, exact). bf16 uses 128 + code and one shift more.
-- The magic offsets and the zero point come out per group and row of x, not per weight:
-  sum_k x_k (c_k - z) s = (acc - 1024 sum_even x - 64 sum_odd x - z sum_k x) * s, acc the fp32 tensor-core
-  sum (fp16 products are exact in fp32; the offsets cost ~1e-5 relative error).
+- The magic offset leaves each unpacked pair in the same registers (one half2 subtraction, exact), and the zero
+  point comes out per group and row of x, not per weight: sum_k x_k (c_k - z) s = (acc - z sum_k x) * s, acc
+  the fp32 tensor-core sum of x c (fp16 products are exact in fp32) and sum_k x taken by the tensor cores too,
+  as dots of the x planes with a constant tile of ones (each column the row's sum). Taken in registers, the
+  row sums of 8 planes were 24 shuffles and ~75 converts and adds a K step, and the offsets' correction
+  cancelled terms 1024 times the result.
 - x is loaded as its 8 plane tiles [BLOCK_M, BLOCK_K // 8] (plane j: input rows 64b + 8j + w), each thread
   taking its operand's pairs from memory; they and the group's scales and zeros (from HBM) are loaded one K
   step ahead (cp.async stages only the packed tile, and these loads were on the critical path of every step).
@@ -31,6 +34,32 @@ import triton
 import triton.language as tl
 
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k, sum_partials
+
+
+@triton.jit
+def _codes_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """``_unpack_byte`` (no SHIFT_ODD) less the magic offset, in the same registers: nibble 2B's code and nibble
+    2B+1's code times 16 in fp16 (bf16: the codes), exact. The offset goes with a constant, so the pair stays in
+    the tensor-core operand's registers; a subtraction of anything loaded (the zero point) there sent the tile
+    through shared memory (compiled for sm_90: 16 stores, 8 loads and barriers a K step)."""
+    if USE_ASM and DTYPE == tl.float16:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t, a, b, m; prmt.b32 t, $2, $3, %d; mov.b32 m, 0x64006400; "  # noqa: UP031
+            "lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA; lop3.b32 b, t, 0x00F000F0, 0x64006400, 0xEA; "
+            "sub.f16x2 $0, a, m; sub.f16x2 $1, b, m; }" % (0x4400 + B * 0x1111),
+            constraints="=r,=r,r,r", args=[qw], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+        )
+    elif USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t, u, a, b, m; prmt.b32 t, $2, $3, %d; shr.b32 u, t, 4; mov.b32 m, 0x43004300; "  # noqa: UP031
+            "lop3.b32 a, t, 0x000F000F, 0x43004300, 0xEA; lop3.b32 b, u, 0x000F000F, 0x43004300, 0xEA; "
+            "sub.rn.bf16x2 $0, a, m; sub.rn.bf16x2 $1, b, m; }" % (0x4400 + B * 0x1111),
+            constraints="=r,=r,r,r", args=[qw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+        )
+    t = qw >> (8 * B)  # the interpreter: the same values by conversion
+    if DTYPE == tl.float16:
+        return (t & 0xF).to(DTYPE), (t & 0xF0).to(DTYPE)
+    return (t & 0xF).to(DTYPE), ((t >> 4) & 0xF).to(DTYPE)
 
 
 @triton.jit
@@ -120,12 +149,6 @@ def _step_operands(x_rows, scales_ptr, zeros_ptr, perm_ptr, k0, k_end, rr, rn, m
 
 
 @triton.jit
-def _plane_sum(x):
-    # row sums [BLOCK_M] of an x plane in fp32
-    return tl.sum(x.to(tl.float32), axis=1)
-
-
-@triton.jit
 def _planes_kernel(
     x_ptr,
     qw_ptr,
@@ -161,12 +184,8 @@ def _planes_kernel(
     pid_n = pid // num_pid_m
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     if dtype == tl.float16:
-        MAGIC: tl.constexpr = 1024.0  # even planes: 1024 + code; odd planes: 1024 + 16 * code times x / 16
-        MAGIC_ODD: tl.constexpr = 64.0
-        ODD_SCALE: tl.constexpr = 0.0625
+        ODD_SCALE: tl.constexpr = 0.0625  # odd planes: 16 * code (masked in place) times x / 16
     else:
-        MAGIC: tl.constexpr = 128.0  # 128 + code in both planes
-        MAGIC_ODD: tl.constexpr = 128.0
         ODD_SCALE: tl.constexpr = 1.0
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,6 +197,9 @@ def _planes_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    zero_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ones = tl.full([BLOCK_K // 8, BLOCK_N], 1.0, dtype)  # constant tensor-core operands for the row sums of x
+    ones_odd = tl.full([BLOCK_K // 8, BLOCK_N], 1.0 / ODD_SCALE, dtype)
     # software prefetch (one K step ahead, in registers) of what the tensor-core pipeline does not stage through
     # shared memory: the x tile, and the group's scales and zeros. Loaded at first use they put an L2 / HBM
     # round trip on every K step (measured: time followed K steps per program, not bytes). Two steps ahead
@@ -189,29 +211,34 @@ def _planes_kernel(
         nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, s_next, z_next = _step_operands(
             x_rows, scales_ptr, zeros_ptr, perm_ptr, k0 + BLOCK_K, k_end, rr, rn, m_mask, n_mask, N, GROUP_SIZE,
             HAS_PERM)
-        sum_even = _plane_sum(x0) + _plane_sum(x2) + _plane_sum(x4) + _plane_sum(x6)  # [BLOCK_M]
-        sum_odd = _plane_sum(x1) + _plane_sum(x3) + _plane_sum(x5) + _plane_sum(x7)
         if ODD_SCALE != 1.0:  # exact (powers of two); values under 2^-10 lose bits, ~1e-8 absolute
             x1 = x1 * ODD_SCALE
             x3 = x3 * ODD_SCALE
             x5 = x5 * ODD_SCALE
             x7 = x7 * ODD_SCALE
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        lo, hi = _unpack_byte(qw, 0, dtype, USE_ASM)
+        lo, hi = _codes_byte(qw, 0, dtype, USE_ASM)
         part = tl.dot(x0, lo, part)
         part = tl.dot(x1, hi, part)
-        lo, hi = _unpack_byte(qw, 1, dtype, USE_ASM)
+        lo, hi = _codes_byte(qw, 1, dtype, USE_ASM)
         part = tl.dot(x2, lo, part)
         part = tl.dot(x3, hi, part)
-        lo, hi = _unpack_byte(qw, 2, dtype, USE_ASM)
+        lo, hi = _codes_byte(qw, 2, dtype, USE_ASM)
         part = tl.dot(x4, lo, part)
         part = tl.dot(x5, hi, part)
-        lo, hi = _unpack_byte(qw, 3, dtype, USE_ASM)
+        lo, hi = _codes_byte(qw, 3, dtype, USE_ASM)
         part = tl.dot(x6, lo, part)
         part = tl.dot(x7, hi, part)
-        # part = sum_k x_k c_k + MAGIC * sum_even + MAGIC_ODD * sum_odd: remove the offsets and the zero point
-        corr = (MAGIC * sum_even + MAGIC_ODD * sum_odd)[:, None] + (sum_even + sum_odd)[:, None] * z[None, :]
-        acc += (part - corr) * s[None, :]
+        # part = sum_k x_k c_k; the zero point's term needs each row's sum of x (the odd planes' x / 16 times 16)
+        xsum = tl.dot(x0, ones, zero_acc)
+        xsum = tl.dot(x2, ones, xsum)
+        xsum = tl.dot(x4, ones, xsum)
+        xsum = tl.dot(x6, ones, xsum)
+        xsum = tl.dot(x1, ones_odd, xsum)
+        xsum = tl.dot(x3, ones_odd, xsum)
+        xsum = tl.dot(x5, ones_odd, xsum)
+        xsum = tl.dot(x7, ones_odd, xsum)
+        acc += (part - xsum * z[None, :]) * s[None, :]
         x0, x1, x2, x3, x4, x5, x6, x7, s, z = nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, s_next, z_next
         qw_ptrs += (BLOCK_K // 8) * N
     mask = m_mask[:, None] & n_mask[None, :]
