@@ -9,6 +9,8 @@ memory. Compiled here without a GPU (tests/hopper_compile.py).
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from gemv_specialization import gemv_args
@@ -20,6 +22,7 @@ from hopper_compile import (
     compile_source,
     disassemble,
     main_loop,
+    opcode,
     resource_usage,
 )
 
@@ -138,6 +141,20 @@ def test_planes_variant_compiles_for_hopper(dtype, block_n, serial, perm):
                 "BLOCK_N": block_n, "BLOCK_K": 128, "SPLITS": 8}.items()}}
     kernel = compile_for_hopper(_planes_kernel, args, num_warps=4, num_stages=3)
     assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_planes_loop_keeps_row_sums_off_the_shuffle_units(block_n):
+    """The zero point's row sums of x come from the tensor cores (dots with a constant tile of ones) and the
+    magic offset off each unpacked pair in place: the K loop has no shuffles (row sums in registers took 24) and
+    its weight tile reaches the tensor cores without a transposed shared-memory load (a subtraction of a loaded
+    zero there cost 16 stores and 8 such loads a K step)."""
+    from bench.tensor_core_sass import k_loop, planes
+
+    compiled = planes(argparse.Namespace(dtype="fp16", block_n=block_n))
+    loop = [opcode(text) for text in k_loop(disassemble(compiled.asm["cubin"]))]
+    assert not [op for op in loop if op.startswith("SHFL")], loop
+    assert "LDSM.16.MT88.4" not in loop, loop
 
 
 MMA_VARIANTS = [  # dtype, BLOCK_M, BLOCK_N, warps, stages, splits: the tiles mma_config picks
