@@ -83,8 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline-file", required=True, type=Path)
     parser.add_argument("--out", default="bench/results/kernels_gemv_ab.json")
+    parser.add_argument("--k-step", type=int, default=None,
+                        help="also time the current kernel's o and down launches with K steps of this many rows")
     args = parser.parse_args()
-    versions = {"baseline": load_baseline(args.baseline_file), "current": current}
+    versions = {"baseline": (load_baseline(args.baseline_file), None), "current": (current, None)}
+    if args.k_step:
+        versions[f"current_k{args.k_step}"] = (current, args.k_step)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for shape in LAYERS:
         for label, k, n, group, fused, prescaled in layer_launches(shape):
@@ -92,12 +97,16 @@ def main() -> None:
             x = torch.randn(1, k, dtype=torch.float16, device=DEV)
             times = {name: [] for name in versions}
             for _ in range(2):
-                for name, module in versions.items():
+                for name, (module, k_step) in versions.items():
                     kwargs = engine_kwargs(module, fused, prescaled)
+                    if k_step and "norm_weight" not in fused:  # o and down: the default plan but for the K
+                        # step (a norm launch's squares and prescaled x spill ~600 B at 128 rows under the cap;
+                        # small matrices' one-step plans stay as they are)
+                        kwargs["plan"] = current.gemv_plan(n, k, group, sms, block_k=k_step)
                     calls = [partial(module.w4a16_gemv, x, *w, group, **kwargs) for w in weights]
                     times[name].append(round(bench_graph(calls) * 1e3, 2))
             rows.append({"case": label, **{f"{name}_us": t for name, t in times.items()}})
-            print(f"{label:<28} baseline {times['baseline']} us, current {times['current']} us", flush=True)
+            print(f"{label:<28} " + ", ".join(f"{name} {t} us" for name, t in times.items()), flush=True)
             del weights
             torch.cuda.empty_cache()
     doc = {"card": torch.cuda.get_device_name(), "command": "python3 bench/gemv_ab.py " + " ".join(sys.argv[1:]),

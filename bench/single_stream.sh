@@ -40,8 +40,8 @@ timeout 150 $PY bench/gemv.py --only "8B,SmolLM2" --out "$OUT_DIR/kernels_gemv.j
 
 if [ -n "${GEMV_BASELINE:-}" ]; then  # an earlier w4a16_gemv.py (git show <commit>:kernels/triton/w4a16_gemv.py)
   say "fused-layer launches against $GEMV_BASELINE"
-  timeout 120 $PY bench/gemv_ab.py --baseline-file "$GEMV_BASELINE" --out "$OUT_DIR/kernels_gemv_ab.json" 2>&1 \
-    | grep -E "baseline|Error" | tee -a "$LOG"
+  timeout 150 $PY bench/gemv_ab.py --baseline-file "$GEMV_BASELINE" --k-step 128 --out "$OUT_DIR/kernels_gemv_ab.json" \
+    2>&1 | grep -E "baseline|Error" | tee -a "$LOG"
 fi
 
 say "waiting for the llama.cpp build"

@@ -695,7 +695,7 @@ LARGE_MATRIX_REGISTERS = 128  # uncapped, Triton 3.6 gives 168-174 (the epilogue
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
-              warps_per_sm: int = 24) -> GemvPlan:
+              warps_per_sm: int = 24, block_k: int = 64) -> GemvPlan:
     """Column tile, K step and split-K, from the sweeps of ``bench/gemv.py --sweep`` on an H200.
 
     A large matrix takes one warp per 128 columns: Triton then gives each thread four adjacent columns of
@@ -708,7 +708,8 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     RMSNorm prologue each program keeps at least two K steps (measured when every program reduced the row; now
     each split sums the squares of its own slice, and the rule is not re-measured). A small matrix is latency, not
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
-    and sums it in the program, with no partials or ticket."""
+    and sums it in the program, with no partials or ticket. ``block_k``: a large matrix's K step (rows, a
+    multiple of 64; 128 is for timing it against 64, the steps of the sweeps above)."""
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1)  # a K step is whole blocks
     if k * n <= SMALL_MATRIX:
@@ -717,7 +718,7 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
         while _one_step_words(k, split, block_n) > ONE_STEP_WORDS and split < k // 64:
             split *= 2
         return GemvPlan(block_n, 0, split, SMALL_MATRIX_WARPS, one_step=True)
-    block_k = largest_pow2_divisor(k, 64)  # one 64-row block (K is whole blocks): the K loop needs no row mask
+    block_k = largest_pow2_divisor(k, block_k)  # whole 64-row blocks (K is whole blocks): no row mask needed
     steps = k // block_k
     block_n = max(128, head_dim or 1)  # a ROPE launch's tiles hold whole heads
     warps = block_n // 128
