@@ -78,7 +78,11 @@ class TorchPoolLimit:
         self._total = torch.cuda.get_device_properties(self.index).total_memory
 
     def hold(self, nbytes: int) -> None:
-        """Make this engine's share ``nbytes`` (the others' shares stay)."""
+        """Make this engine's share ``nbytes`` (the others' shares stay); 0 gives it back. A share the budget
+        cannot cover (the memory outside torch exceeds it) is the smallest one, not none: the load then fails
+        with the budget's message instead of running unlimited."""
+        if nbytes != 0:
+            nbytes = max(nbytes, self.NO_LIMIT_BELOW)
         limit = allocator_limit(torch.device("cuda", self.index)) - self.bytes + nbytes
         self.bytes = nbytes
         fraction = 1.0 if limit < self.NO_LIMIT_BELOW or limit >= self._total else limit / self._total
