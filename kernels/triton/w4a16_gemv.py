@@ -819,8 +819,7 @@ def w4a16_gemv(
     x [1, K] fp16; qweight [K // 8, N] int32; scales, zeros [K // G, N] fp16 (integer zeros); perm [K] | None.
     norm_weight [K]: x is first RMS-normalised (reference.rms_norm(x, norm_weight, eps)[0]). normed [1, K] (with
     norm_weight): x * norm_weight in fp16, as a ``next_norm`` epilogue wrote it; the dot reads it instead of
-    multiplying x by the weight itself (5 of ~26 SASS instructions a packed word in the loop: BENCHMARKS.md
-    issue 15, session 17), x gives the rms.
+    multiplying x by the weight itself in its loop (BENCHMARKS.md issue 15, session 17), x gives the rms.
     residual [1, N]: returns residual += y (in place); next_norm = (weight [N], out [1, N]) with it: out is also
     written with the new residual * weight (the next launch's ``normed``). silu: W holds gate then up columns: returns
     silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
