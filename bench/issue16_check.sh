@@ -44,7 +44,7 @@ run() {  # run TIMEOUT NAME CMD...: the whole output into the log (the device re
 for step in "${steps[@]}"; do
   case $step in
     tests)
-      run 240 tests "$PY" -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_warmup.py \
+      run 300 tests "$PY" -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_warmup.py \
         "tests/test_kernels.py::test_gpu_w4a16_at_the_tuned_tiles" ;;
     memory)
       TAIL=30 run 150 memory_budget "$PY" bench/memory_budget.py --models-dir "$MODELS" \
