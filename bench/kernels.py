@@ -374,15 +374,22 @@ MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's ti
     # wider weight tiles a warpgroup (two 64-row wgmmas each step): x is staged once for 128 or 256 weight
     # columns instead of 64; compiled for sm_90 without spills (181-184 registers at BLOCK_M 64)
     (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (64, 64, 4, 4),
+    # x copied by TMA (no address arithmetic a step, ~100 registers), and with a warp-specialized K loop (one
+    # split only: Triton does not split a loop whose kernel keeps the split-K path)
+    (128, 64, 4, 2, {"X_TMA": True}), (128, 64, 4, 3, {"X_TMA": True}), (64, 64, 4, 3, {"X_TMA": True}),
+    (128, 128, 8, 3, {"X_TMA": True}), (128, 64, 4, 3, {"X_TMA": True, "WARP_SPECIALIZE": True}),
 ]
 MMA_SWEEP_ROWS = (64, 128, 256)
 
 
-def mma_cfg(m: int, n: int, k: int, bm_cap: int, bn: int, warps: int, stages: int, sms: int) -> dict:
+def mma_cfg(m: int, n: int, k: int, bm_cap: int, bn: int, warps: int, stages: int, flags: dict | None = None,
+            *, sms: int) -> dict:
     bm = min(bm_cap, max(16, triton.next_power_of_2(m)))
     tiles = -(-m // bm) * -(-n // bn)
     split = max(1, min(-(-sms // tiles), k // 512, 16))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "split": split}
+    if (flags or {}).get("WARP_SPECIALIZE"):
+        split = 1  # (see MMA_SWEEP)
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "split": split, **(flags or {})}
 
 
 def sweep_mma(path: str, tuned_out: str | None = None) -> None:
@@ -430,7 +437,7 @@ def tuned_table(rows: list[dict], sms: int) -> dict:
     """kernels/triton/tuned.py's table for one card from ``--sweep-mma`` rows: per "KxN" and swept row count,
     the fastest tile whose products were right, where it beat the tile of the rule (``mma_config`` without a
     table) by more than TUNED_MARGIN; the rule's time is its own row of the sweep, else the shipped path's."""
-    from kernels.triton.w4a16_mma import mma_config
+    from kernels.triton.w4a16_mma import KERNEL_FLAGS, mma_config
 
     by_case: dict[tuple[str, int], list[dict]] = {}
     for row in rows:
@@ -443,7 +450,8 @@ def tuned_table(rows: list[dict], sms: int) -> dict:
         rule_us = next((r["us"] for r in timed if r["config"] == rule), timed[0]["shipped_us"])
         best = min(timed, key=lambda r: r["us"])
         if best["us"] < TUNED_MARGIN * rule_us:
-            tile = {key: best["config"][key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+            keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", *KERNEL_FLAGS)
+            tile = {key: best["config"][key] for key in keys if key in best["config"]}
             table.setdefault(f"{k}x{n}", {})[str(m)] = tile
             print(f"tuned {label} M={m}: {rule_us:.1f} -> {best['us']:.1f} us {tile}", flush=True)
     return table

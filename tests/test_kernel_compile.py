@@ -193,16 +193,37 @@ def tuned_mma_configs() -> list[dict]:
 def test_tuned_mma_tiles_compile_for_hopper(config):
     """The tiles of kernels/triton/tuned/w4a16_mma.json, as the launcher gives them, compile as the rule's do."""
     check_mma_compiles(torch.float16, config["BLOCK_M"], config["BLOCK_N"], config["num_warps"],
-                       config["num_stages"], config["split"])
+                       config["num_stages"], config["split"], config.get("X_TMA", False),
+                       config.get("WARP_SPECIALIZE", False))
 
 
-def check_mma_compiles(dtype, block_m, block_n, warps, stages, splits):
-    args = {"x_ptr": dtype, "qw_desc": Descriptor(I32, (16, block_n)), "scales_ptr": dtype, "zeros_ptr": dtype,
+@pytest.mark.parametrize(("block_m", "block_n", "warps", "stages", "splits", "warp_specialize"), [
+    (128, 64, 4, 3, 1, False), (64, 64, 4, 3, 2, False), (128, 64, 4, 3, 1, True)])
+def test_mma_switches_for_the_sweep_compile_for_hopper(block_m, block_n, warps, stages, splits, warp_specialize):
+    """x copied by TMA (and the K loop warp-specialized): tiles bench/kernels.py --sweep-mma tries. They compile
+    without spills, the weight still a register operand; a warp-specialized loop sets its partitions'
+    registers (setmaxnreg), so Triton did split it."""
+    check_mma_compiles(torch.float16, block_m, block_n, warps, stages, splits, x_tma=True,
+                       warp_specialize=warp_specialize)
+    if warp_specialize:
+        args = {"x_src": Descriptor(F16, (block_m, 128)), "qw_desc": Descriptor(I32, (16, block_n)),
+                "scales_ptr": F16, "zeros_ptr": F16, "out_ptr": F16, "part_ptr": F32, "lock_ptr": I32, "M": 64,
+                "N": 4096, "K": 4096, "k_per_split": 4096 // splits, "splits": splits, "lock_rest": 1024 - splits,
+                "stride_xm": 4096, "stride_om": 4096,
+                **{key: Constexpr(value) for key, value in {
+                    "GROUP_SIZE": 128, "USE_ASM": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLITS": splits,
+                    "X_TMA": True, "WARP_SPECIALIZE": True}.items()}}
+        assert "setmaxnreg" in compile_source(_mma_kernel, args, warps, stages).asm["ptx"]
+
+
+def check_mma_compiles(dtype, block_m, block_n, warps, stages, splits, x_tma=False, warp_specialize=False):
+    x_src = Descriptor(dtype, (block_m, 128)) if x_tma else dtype
+    args = {"x_src": x_src, "qw_desc": Descriptor(I32, (16, block_n)), "scales_ptr": dtype, "zeros_ptr": dtype,
             "out_ptr": dtype, "part_ptr": F32, "lock_ptr": I32, "M": 64, "N": 4096, "K": 4096, "k_per_split": 4096 // splits,
             "splits": splits, "lock_rest": 1024 - splits, "stride_xm": 4096, "stride_om": 4096,
             **{key: Constexpr(value) for key, value in {
                 "GROUP_SIZE": 128, "USE_ASM": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                "SPLITS": splits}.items()}}
+                "SPLITS": splits, "X_TMA": x_tma, "WARP_SPECIALIZE": warp_specialize}.items()}}
     kernel = compile_for_hopper(_mma_kernel, args, num_warps=warps, num_stages=stages)
     assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"
     assert kernel.register_operand_mmas > 0, "the weight went through shared memory"

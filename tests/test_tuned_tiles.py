@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kernels.triton.tuned import load_table, tuned_tile
-from kernels.triton.w4a16_mma import mma_config
+from kernels.triton.w4a16_mma import KERNEL_FLAGS, mma_config
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "NVIDIA H200"
@@ -27,7 +27,8 @@ def test_the_shipped_table_holds_whole_tiles_for_swept_row_counts():
             assert k % 128 == 0 and n > 0
             for rows, tile in by_rows.items():
                 assert int(rows) in (64, 128, 256)
-                assert set(tile) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+                assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(tile)
+                assert set(tile) <= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", *KERNEL_FLAGS}
                 assert tile["BLOCK_M"] <= int(rows) and tile["BLOCK_N"] in (64, 128, 256)
 
 
@@ -64,6 +65,10 @@ def test_a_tile_becomes_a_config_the_way_the_rule_does():
     assert mma_config(128, 4096, 4096, 132) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                                 "split": 3}
     assert mma_config(128, 28672, 4096, 132)["BLOCK_N"] == 128
+    # a tile's switches pass through; a warp-specialized loop keeps one split (Triton splits no other)
+    switched = mma_config(64, 4096, 4096, 132, {**tile, "X_TMA": True, "WARP_SPECIALIZE": True})
+    assert switched["X_TMA"] and switched["WARP_SPECIALIZE"] and switched["split"] == 1
+    assert "X_TMA" not in mma_config(64, 4096, 4096, 132, {**tile, "X_TMA": False})
 
 
 def sweep_row(label: str, m: int, config: dict, us: float, rel_error: float = 3e-4) -> dict:
@@ -80,7 +85,11 @@ def test_the_table_keeps_a_swept_tile_only_where_it_beat_the_rule_by_more_than_n
     staged = mma_config(64, 4096, 4096, 132, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
     wrong = mma_config(64, 4096, 4096, 132, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})
     label = "8B o 4096x4096"
+    by_tma = mma_config(256, 4096, 4096, 132, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                                                "X_TMA": True})
+    rule_256 = mma_config(256, 4096, 4096, 132)
     rows = [sweep_row(label, 128, rule_128, 20.0), sweep_row(label, 128, narrow, 17.0),  # 15% faster: kept
+            sweep_row(label, 256, rule_256, 30.0), sweep_row(label, 256, by_tma, 25.0),  # a switch is kept too
             sweep_row(label, 64, rule_64, 13.0), sweep_row(label, 64, staged, 12.7),  # 2.3%: noise
             sweep_row(label, 64, wrong, 5.0, rel_error=0.5)]  # fast and wrong: never
     sweep = tmp_path / "sweep.json"
@@ -91,8 +100,9 @@ def test_the_table_keeps_a_swept_tile_only_where_it_beat_the_rule_by_more_than_n
                     "Test card", "--sms", "132", "--tuned-out", str(table)], check=True, capture_output=True)
     written = json.loads(table.read_text())
     assert written["Other card"] == {"1x1": {"64": {}}}  # other cards' entries stay
-    assert written["Test card"] == {"4096x4096": {"128": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
-                                                          "num_stages": 3}}}
+    assert written["Test card"] == {"4096x4096": {
+        "128": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+        "256": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "X_TMA": True}}}
 
 
 @pytest.mark.parametrize("missing", ["--tuned-out", "--sms"])

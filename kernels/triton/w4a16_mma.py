@@ -35,6 +35,7 @@ from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rea
 from kernels.triton.w4a16_planes import _unpack_byte
 
 K_STEP = 128  # input rows per K step: 16 packed words of 8 nibble planes
+KERNEL_FLAGS = ("X_TMA", "WARP_SPECIALIZE")  # a tile's optional switches (off unless the tuned table sets them)
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _dequant_step(qw, s, zm, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _mma_kernel(
-    x_ptr,
+    x_src,
     qw_desc,
     scales_ptr,
     zeros_ptr,
@@ -80,15 +81,22 @@ def _mma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    X_TMA: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     # x [M, K] @ W [K, N] -> out [M, N]; grid = (m tiles * n tiles, splits). The accumulator is out^T
     # [BLOCK_N, BLOCK_M]. splits > 1: fp32 partials [splits, M, N], summed by the tile's last program.
+    # x_src: x's pointer, or with X_TMA a tensor descriptor of [BLOCK_M, 128] boxes (copied by TMA: no address
+    # arithmetic a step; rows past M come as zeros). WARP_SPECIALIZE: Triton splits the K loop into a
+    # loading and a computing partition. Both are tiles for the sweep to try (bench/kernels.py --sweep-mma):
+    # x by TMA once gave NaN at 128-row tiles with split-K, and neither is chosen unless the tuned table
+    # (kernels/triton/tuned.py) measured it right and faster.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_pid_m  # m fastest: the programs reading one weight tile run together (L2 reuse)
     pid_n = pid // num_pid_m
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
     if dtype == tl.float16:
         MAGIC: tl.constexpr = 1024.0
     else:
@@ -99,19 +107,25 @@ def _mma_kernel(
     n_mask = rn < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    x_ptrs = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + (k_start + tl.arange(0, 128))[:, None]  # [128, BLOCK_M]
+    if X_TMA:
+        x_ptrs = x_src  # (unused: the descriptor is indexed by the step)
+    else:
+        x_ptrs = x_src + rm.to(tl.int64)[None, :] * stride_xm + (k_start + tl.arange(0, 128))[:, None]  # [128, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_start, k_end, 128):
+    for k0 in tl.range(k_start, k_end, 128, warp_specialize=WARP_SPECIALIZE):
         qw = tl.trans(qw_desc.load([k0 // 8, pid_n * BLOCK_N]))  # [BLOCK_N, 16] int32, zeros past N
         g = k0 // GROUP_SIZE
         s = tl.load(scales_ptr + g * N + rn, mask=n_mask, other=0.0)
         zm = tl.load(zeros_ptr + g * N + rn, mask=n_mask, other=0.0) + MAGIC  # exact: small integers
-        x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        if X_TMA:
+            x = tl.trans(x_src.load([pid_m * BLOCK_M, k0]))  # [128, BLOCK_M]
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            x_ptrs += 128
         acc = tl.dot(_dequant_step(qw, s, zm, dtype, USE_ASM, BLOCK_N), x, acc)
-        x_ptrs += 128
     out_tile = rn[:, None] + rm.to(tl.int64)[None, :] * stride_om  # [BLOCK_N, BLOCK_M]
     mask = n_mask[:, None] & m_mask[None, :]
-    if splits == 1:
+    if SPLITS == 1:  # (a compile-time branch: the split-K code, atomics included, kept Triton from warp-specializing)
         tl.store(out_ptr + out_tile, acc.to(dtype), mask=mask)
     else:
         tile = rn[:, None] + rm.to(tl.int64)[None, :] * N
@@ -145,15 +159,18 @@ def mma_config(m: int, n: int, k: int, sms: int, tile: dict | None = None) -> di
     block_m = min(tile["BLOCK_M"], rows)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile["BLOCK_N"])
     split = max(1, min(triton.cdiv(sms, tiles), k // (4 * K_STEP), 16))
+    flags = {key: tile[key] for key in KERNEL_FLAGS if tile.get(key)}
+    if flags.get("WARP_SPECIALIZE"):
+        split = 1  # Triton splits the loop only where the kernel is compiled without its split-K path
     return {"BLOCK_M": block_m, "BLOCK_N": tile["BLOCK_N"], "num_warps": tile["num_warps"],
-            "num_stages": tile["num_stages"], "split": split}
+            "num_stages": tile["num_stages"], "split": split, **flags}
 
 
 def mma_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, perm: torch.Tensor | None, out: torch.Tensor, cfg: dict,
                interpret: bool = False) -> None:
-    """Launch into ``out`` [M, N]; cfg from ``mma_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages, split).
-    GPTQ's act-order ``perm`` gathers x's columns first (one pass over x)."""
+    """Launch into ``out`` [M, N]; cfg from ``mma_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages, split, and
+    optionally X_TMA / WARP_SPECIALIZE). GPTQ's act-order ``perm`` gathers x's columns first (one pass over x)."""
     m, k = x.shape
     n = qweight.shape[1]
     cfg = dict(cfg)
@@ -167,8 +184,9 @@ def mma_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if perm is not None:
         x = x[:, perm]
     qw_desc = TensorDescriptor.from_tensor(qweight, [16, cfg["BLOCK_N"]])  # one K step's packed tile
+    x_src = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], K_STEP]) if cfg.get("X_TMA") else x
     _mma_kernel[(tiles, split)](
-        x, qw_desc, scales, zeros, out, part, lock, m, n, k, per, split, LOCK_PERIOD.value - split,
+        x_src, qw_desc, scales, zeros, out, part, lock, m, n, k, per, split, LOCK_PERIOD.value - split,
         x.stride(0), out.stride(0), GROUP_SIZE=group_size, USE_ASM=not interpret,
         SPLITS=triton.next_power_of_2(split), **cfg,
     )
