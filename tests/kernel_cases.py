@@ -364,7 +364,12 @@ def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bo
             assert torch.equal(normed, out * next_weight), f"{what}: normed is the new residual times the weight"
         elif fusion == "norm+silu":  # the gate/up launch of the fused layer: RMSNorm before, SiLU x up after
             out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, **norm, silu=True, plan=plan)
-            assert_rel(out, ref.silu_and_mul(matmul(ref.rms_norm(x, weight, 1e-5)[0])), TOL[dtype]["matmul"], what)
+            # silu(gate) * up multiplies two products, each within the matmul tolerance of its own, and the norm
+            # rounds in another order than rms_norm's (x * weight first, 1 / rms after the dot): over 80 fresh
+            # draws at K = 256 the error reached 1.8e-3 (median 7e-4), and 2.2e-3 once in CI, before and after
+            # session 17's changes; twice the tolerance is what the two factors allow
+            assert_rel(out, ref.silu_and_mul(matmul(ref.rms_norm(x, weight, 1e-5)[0])), 2 * TOL[dtype]["matmul"],
+                       what)
         elif fusion == "silu":
             out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, silu=True, plan=plan)
             assert_rel(out, ref.silu_and_mul(matmul(x)), TOL[dtype]["matmul"], what)
