@@ -4,7 +4,7 @@
 # All steps take up to ~17 minutes, more than one device call (10 minutes at most): run them as three calls,
 #
 #   bash bench/issue16_check.sh tests memory      bash bench/issue16_check.sh awq128 mix
-#   bash bench/issue16_check.sh timeline batched
+#   bash bench/issue16_check.sh timeline batched  bash bench/issue16_check.sh sweep   (the last: its own call)
 #
 # Steps (default: all, in this order):
 #   tests      the runner's GPU tests (greedy = transformers with graphs and eager, async scheduling, the budget and
@@ -14,6 +14,8 @@
 #   mix        bench/throughput.py --only mix: the ShareGPT-like mix on fp16 7B against HF transformers' static batch
 #   timeline   bench/step_timeline.py on the 7B shape, with and without --async-scheduling
 #   batched    bench/kernels.py --only batched: the shipped W4A16 path at 16-256 rows against fp16 cuBLAS
+#   sweep      bench/kernels.py --sweep-mma: the transposed kernel's tiles and switches on the 7B and 8B shapes; the
+#              card's fastest go to $OUT/w4a16_mma.json (copy it over kernels/triton/tuned/w4a16_mma.json)
 # Writes the benches' JSON files and issue16_check.log (every step's whole output) into $OUT (or bench/results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,9 @@ for step in "${steps[@]}"; do
       TAIL=25 run 60 timeline_sync "$PY" bench/step_timeline.py --models-dir "$MODELS" --no-async-scheduling ;;
     batched)
       TAIL=40 run 90 kernels_batched "$PY" bench/kernels.py --only batched --out "$OUT_DIR/kernels_batched.json" ;;
+    sweep)
+      TAIL=30 run 480 kernels_mma_sweep "$PY" bench/kernels.py --only "" --sweep-mma "$OUT_DIR/kernels_mma_sweep.json" \
+        --tuned-out "$OUT_DIR/w4a16_mma.json" ;;
     *)
       say "unknown step $step" ;;
   esac

@@ -423,11 +423,11 @@ def sweep_mma(path: str, tuned_out: str | None = None) -> None:
                 best = min(timed, key=lambda r: r["us"])
                 print(f"sweep-mma {label} M={m}: best {best['us']:.1f} us ({best['vs_fp16']:.2f}x fp16 "
                       f"{t_h * 1e3:.1f} us; shipped {t_s * 1e3:.1f} us) {best['config']}", flush=True)
-        Path(path).write_text(json.dumps(found, indent=1))
+        Path(path).write_text(json.dumps(found, indent=1))  # after each shape: a timeout keeps what was swept
+        if tuned_out:
+            write_tuned(tuned_out, torch.cuda.get_device_name(), tuned_table(found["w4a16_mma"], sms))
         del packed, dense
         torch.cuda.empty_cache()
-    if tuned_out:
-        write_tuned(tuned_out, torch.cuda.get_device_name(), tuned_table(found["w4a16_mma"], sms))
 
 
 TUNED_MARGIN = 0.97  # a swept tile enters the table only where it beat the rule's by more than 3% (run noise)
