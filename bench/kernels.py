@@ -32,6 +32,7 @@ from kernels import reference, triton_ops
 from kernels.triton import decode_attention as decode_mod
 from kernels.triton import prefill_attention as prefill_mod
 from kernels.triton import w4a16 as w4a16_mod
+from kernels.triton import w4a16_mma
 
 DEV = "cuda"
 DTYPE = torch.float16
@@ -384,12 +385,9 @@ MMA_SWEEP_ROWS = (64, 128, 256)
 
 def mma_cfg(m: int, n: int, k: int, bm_cap: int, bn: int, warps: int, stages: int, flags: dict | None = None,
             *, sms: int) -> dict:
-    bm = min(bm_cap, max(16, triton.next_power_of_2(m)))
-    tiles = -(-m // bm) * -(-n // bn)
-    split = max(1, min(-(-sms // tiles), k // 512, 16))
-    if (flags or {}).get("WARP_SPECIALIZE"):
-        split = 1  # (see MMA_SWEEP)
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "split": split, **(flags or {})}
+    """A MMA_SWEEP tile's launch config at ``m`` rows, as the launcher makes it from a tuned tile."""
+    tile = {"BLOCK_M": bm_cap, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, **(flags or {})}
+    return w4a16_mma.mma_config(m, n, k, sms, tile)
 
 
 def sweep_mma(path: str, tuned_out: str | None = None) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import sys
 from pathlib import Path
 
@@ -23,7 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hopper_compile import Constexpr, Descriptor, compile_source, disassemble, opcode, resource_usage
+from hopper_compile import (
+    Constexpr,
+    Descriptor,
+    compile_source,
+    disassemble,
+    opcode,
+    resource_usage,
+    tensor_core_loop,
+)
 
 from kernels.triton.w4a16_mma import _mma_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
@@ -58,19 +65,6 @@ def mma(args: argparse.Namespace):
     return compile_source(_mma_kernel, values, num_warps=args.warps, num_stages=args.stages)
 
 
-def k_loop(instructions: list[tuple[int, str]]) -> list[str]:
-    """The innermost backward branch's body that holds every tensor-core instruction (HMMA / HGMMA)."""
-    mmas = [address for address, text in instructions if "MMA" in opcode(text)]
-    best = None
-    for address, text in instructions:
-        target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
-        if target:
-            start = int(target.group(1), 16)
-            if start <= mmas[0] and address >= mmas[-1] and (best is None or address - start < best[1] - best[0]):
-                best = (start, address)
-    return [text for address, text in instructions if best[0] <= address <= best[1]]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernel", choices=["planes", "mma"])
@@ -84,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     compiled = planes(args) if args.kernel == "planes" else mma(args)
     usage = resource_usage(compiled.asm["cubin"])
-    loop = k_loop(disassemble(compiled.asm["cubin"]))
+    loop = tensor_core_loop(disassemble(compiled.asm["cubin"]))
     print(f"registers {usage.registers}, spilled {usage.spilled_bytes} B; K loop {len(loop)} instructions a thread")
     print("  " + " ".join(f"{name}:{count}" for name, count in collections.Counter(map(opcode, loop)).most_common()))
 

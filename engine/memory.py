@@ -51,7 +51,10 @@ def cuda_index(device: torch.device) -> int:
 def allocator_limit(device: torch.device) -> int:
     """The bytes torch's caching allocator may hold on ``device`` under its per-process memory fraction (0: no
     limit, the fraction at 1)."""
-    index = cuda_index(device)
+    return _allocator_limit_at(cuda_index(device))
+
+
+def _allocator_limit_at(index: int) -> int:
     fraction = torch.cuda.get_per_process_memory_fraction(index)
     return 0 if fraction >= 1.0 else round(fraction * torch.cuda.get_device_properties(index).total_memory)
 
@@ -83,7 +86,7 @@ class TorchPoolLimit:
         with the budget's message instead of running unlimited."""
         if nbytes != 0:
             nbytes = max(nbytes, self.NO_LIMIT_BELOW)
-        limit = allocator_limit(torch.device("cuda", self.index)) - self.bytes + nbytes
+        limit = _allocator_limit_at(self.index) - self.bytes + nbytes
         self.bytes = nbytes
         fraction = 1.0 if limit < self.NO_LIMIT_BELOW or limit >= self._total else limit / self._total
         torch.cuda.set_per_process_memory_fraction(fraction, self.index)

@@ -125,14 +125,31 @@ def disassemble(cubin: bytes) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in map(INSTRUCTION.match, text.splitlines()) if m]
 
 
-def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
-    """The body of the longest backward branch (a kernel's main loop), as instruction texts."""
-    start = end = 0
+def _backward_branches(instructions: list[tuple[int, str]]):
+    """(target, address) of every branch back to an earlier instruction: a loop's start and end."""
     for address, text in instructions:
         target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address and address - int(target.group(1), 16) > end - start:
-            start, end = int(target.group(1), 16), address
+        if target and int(target.group(1), 16) < address:
+            yield int(target.group(1), 16), address
+
+
+def _body(instructions: list[tuple[int, str]], start: int, end: int) -> list[str]:
     return [text for address, text in instructions if start <= address <= end]
+
+
+def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
+    """The body of the longest backward branch (a kernel's main loop), as instruction texts."""
+    start, end = max(_backward_branches(instructions), key=lambda loop: loop[1] - loop[0], default=(0, 0))
+    return _body(instructions, start, end)
+
+
+def tensor_core_loop(instructions: list[tuple[int, str]]) -> list[str]:
+    """The innermost loop that holds every tensor-core instruction (HMMA / HGMMA), as instruction texts: the
+    longest backward branch can be a wait's slow path placed after the epilogue."""
+    mmas = [address for address, text in instructions if "MMA" in opcode(text)]
+    around = [(start, end) for start, end in _backward_branches(instructions) if start <= mmas[0] and end >= mmas[-1]]
+    start, end = min(around, key=lambda loop: loop[1] - loop[0])
+    return _body(instructions, start, end)
 
 
 def opcode(text: str) -> str:

@@ -24,6 +24,7 @@ from hopper_compile import (
     main_loop,
     opcode,
     resource_usage,
+    tensor_core_loop,
 )
 
 from kernels.triton import decode_attention, prefill_attention, token_mask
@@ -149,10 +150,10 @@ def test_planes_loop_keeps_row_sums_off_the_shuffle_units(block_n):
     magic offset off each unpacked pair in place: the K loop has no shuffles (row sums in registers took 24) and
     its weight tile reaches the tensor cores without a transposed shared-memory load (a subtraction of a loaded
     zero there cost 16 stores and 8 such loads a K step)."""
-    from bench.tensor_core_sass import k_loop, planes
+    from bench.tensor_core_sass import planes
 
     compiled = planes(argparse.Namespace(dtype="fp16", block_n=block_n))
-    loop = [opcode(text) for text in k_loop(disassemble(compiled.asm["cubin"]))]
+    loop = [opcode(text) for text in tensor_core_loop(disassemble(compiled.asm["cubin"]))]
     assert not [op for op in loop if op.startswith("SHFL")], loop
     assert "LDSM.16.MT88.4" not in loop, loop
 
@@ -175,17 +176,14 @@ def test_mma_variant_compiles_for_hopper(dtype, block_m, block_n, warps, stages,
 
 def tuned_mma_configs() -> list[dict]:
     """Every launch config the tuned table gives on its card's SM count (132: the H200 it was swept on)."""
-    from kernels.triton.tuned import load_table
+    from kernels.triton.tuned import tuned_entries
     from kernels.triton.w4a16_mma import mma_config
 
     configs = []
-    for shapes in load_table("w4a16_mma").values():
-        for shape, by_rows in shapes.items():
-            k, n = (int(v) for v in shape.split("x"))
-            for rows, tile in by_rows.items():
-                config = mma_config(int(rows), n, k, 132, tile)
-                if config not in configs:
-                    configs.append(config)
+    for entry in tuned_entries("w4a16_mma"):
+        config = mma_config(entry.rows, entry.n, entry.k, 132, entry.tile)
+        if config not in configs:
+            configs.append(config)
     return configs
 
 
@@ -206,24 +204,24 @@ def test_mma_switches_for_the_sweep_compile_for_hopper(block_m, block_n, warps, 
     check_mma_compiles(torch.float16, block_m, block_n, warps, stages, splits, x_tma=True,
                        warp_specialize=warp_specialize)
     if warp_specialize:
-        args = {"x_src": Descriptor(F16, (block_m, 128)), "qw_desc": Descriptor(I32, (16, block_n)),
-                "scales_ptr": F16, "zeros_ptr": F16, "out_ptr": F16, "part_ptr": F32, "lock_ptr": I32, "M": 64,
-                "N": 4096, "K": 4096, "k_per_split": 4096 // splits, "splits": splits, "lock_rest": 1024 - splits,
-                "stride_xm": 4096, "stride_om": 4096,
-                **{key: Constexpr(value) for key, value in {
-                    "GROUP_SIZE": 128, "USE_ASM": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLITS": splits,
-                    "X_TMA": True, "WARP_SPECIALIZE": True}.items()}}
+        args = mma_args(torch.float16, block_m, block_n, splits, x_tma=True, warp_specialize=True)
         assert "setmaxnreg" in compile_source(_mma_kernel, args, warps, stages).asm["ptx"]
 
 
-def check_mma_compiles(dtype, block_m, block_n, warps, stages, splits, x_tma=False, warp_specialize=False):
+def mma_args(dtype, block_m, block_n, splits, x_tma=False, warp_specialize=False) -> dict:
+    """The transposed kernel's arguments for a 64-row launch on a 4096 x 4096 weight (``compile_source``'s form)."""
     x_src = Descriptor(dtype, (block_m, 128)) if x_tma else dtype
-    args = {"x_src": x_src, "qw_desc": Descriptor(I32, (16, block_n)), "scales_ptr": dtype, "zeros_ptr": dtype,
-            "out_ptr": dtype, "part_ptr": F32, "lock_ptr": I32, "M": 64, "N": 4096, "K": 4096, "k_per_split": 4096 // splits,
-            "splits": splits, "lock_rest": 1024 - splits, "stride_xm": 4096, "stride_om": 4096,
+    return {"x_src": x_src, "qw_desc": Descriptor(I32, (16, block_n)), "scales_ptr": dtype, "zeros_ptr": dtype,
+            "out_ptr": dtype, "part_ptr": F32, "lock_ptr": I32, "M": 64, "N": 4096, "K": 4096,
+            "k_per_split": 4096 // splits, "splits": splits, "lock_rest": 1024 - splits, "stride_xm": 4096,
+            "stride_om": 4096,
             **{key: Constexpr(value) for key, value in {
                 "GROUP_SIZE": 128, "USE_ASM": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
                 "SPLITS": splits, "X_TMA": x_tma, "WARP_SPECIALIZE": warp_specialize}.items()}}
+
+
+def check_mma_compiles(dtype, block_m, block_n, warps, stages, splits, x_tma=False, warp_specialize=False):
+    args = mma_args(dtype, block_m, block_n, splits, x_tma, warp_specialize)
     kernel = compile_for_hopper(_mma_kernel, args, num_warps=warps, num_stages=stages)
     assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"
     assert kernel.register_operand_mmas > 0, "the weight went through shared memory"

@@ -192,16 +192,10 @@ def test_gpu_w4a16_mma_variants(dtype, variant, m, act_order):
 
 def tuned_mma_cases() -> list[tuple[int, int, int]]:
     """(K, N, M) at both ends of every row bucket of the tuned tile table (kernels/triton/tuned.py)."""
-    from kernels.triton.tuned import load_table
+    from kernels.triton.tuned import tuned_entries
 
-    cases = set()
-    for shapes in load_table("w4a16_mma").values():
-        for shape, by_rows in shapes.items():
-            k, n = (int(v) for v in shape.split("x"))
-            swept = sorted(int(rows) for rows in by_rows)
-            for lower, rows in zip([swept[0] // 2, *swept[:-1]], swept):
-                cases |= {(k, n, lower + 1), (k, n, rows)}
-    return sorted(cases)
+    entries = tuned_entries("w4a16_mma")
+    return sorted({(e.k, e.n, e.lower + 1) for e in entries} | {(e.k, e.n, e.rows) for e in entries})
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 TUNED_DIR = Path(__file__).with_name("tuned")
@@ -32,14 +33,39 @@ def shape_key(k: int, n: int) -> str:
     return f"{k}x{n}"
 
 
+@dataclass(frozen=True)
+class TunedEntry:
+    """One tile of a table: for a [k, n] weight on ``device``, it serves ``lower`` < M <= ``rows``."""
+
+    device: str
+    k: int
+    n: int
+    lower: int
+    rows: int
+    tile: dict
+
+
+def _buckets(by_rows: dict) -> list[tuple[int, int]]:
+    """(lower, rows) of each swept row count of one shape, ascending: R serves the counts above the next
+    smaller swept one (R / 2 for the smallest) up to R."""
+    swept = sorted(int(rows) for rows in by_rows)
+    return list(zip([swept[0] // 2, *swept[:-1]], swept))
+
+
+def tuned_entries(kernel: str) -> list[TunedEntry]:
+    """Every tile of ``kernel``'s table, each with the row counts it serves."""
+    return [TunedEntry(device, int(shape.split("x")[0]), int(shape.split("x")[1]), lower, rows, by_rows[str(rows)])
+            for device, shapes in load_table(kernel).items() for shape, by_rows in shapes.items()
+            for lower, rows in _buckets(by_rows)]
+
+
 def tuned_tile(kernel: str, device_name: str, k: int, n: int, m: int) -> dict | None:
     """The tile measured fastest for a [k, n] weight on ``device_name`` at the row bucket of ``m``, or None
     (no table, card or shape, or ``m`` outside the swept buckets)."""
     by_rows = load_table(kernel).get(device_name, {}).get(shape_key(k, n))
     if not by_rows:
         return None
-    swept = sorted(int(rows) for rows in by_rows)
-    for lower, rows in zip([swept[0] // 2, *swept[:-1]], swept):
+    for lower, rows in _buckets(by_rows):
         if lower < m <= rows:
             return dict(by_rows[str(rows)])
     return None

@@ -107,9 +107,7 @@ def _mma_kernel(
     n_mask = rn < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if X_TMA:
-        x_ptrs = x_src  # (unused: the descriptor is indexed by the step)
-    else:
+    if not X_TMA:  # (with TMA the descriptor is indexed by the step)
         x_ptrs = x_src + rm.to(tl.int64)[None, :] * stride_xm + (k_start + tl.arange(0, 128))[:, None]  # [128, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in tl.range(k_start, k_end, 128, warp_specialize=WARP_SPECIALIZE):

@@ -56,10 +56,7 @@ def _codes_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr)
             "sub.rn.bf16x2 $0, a, m; sub.rn.bf16x2 $1, b, m; }" % (0x4400 + B * 0x1111),
             constraints="=r,=r,r,r", args=[qw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
         )
-    t = qw >> (8 * B)  # the interpreter: the same values by conversion
-    if DTYPE == tl.float16:
-        return (t & 0xF).to(DTYPE), (t & 0xF0).to(DTYPE)
-    return (t & 0xF).to(DTYPE), ((t >> 4) & 0xF).to(DTYPE)
+    return _byte_codes(qw, B, DTYPE, False)  # the interpreter: the same values by conversion
 
 
 @triton.jit
@@ -92,13 +89,23 @@ def _unpack_byte(qw, B: tl.constexpr, DTYPE: tl.constexpr, USE_ASM: tl.constexpr
                 constraints="=r,=r,r,r", args=[qw], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
             )
     else:  # the interpreter has no inline asm (nor a bf16 bitcast): the same values by conversion
-        t = qw >> (8 * B)
         magic: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
-        lo = (t & 0xF).to(DTYPE) + magic
-        if DTYPE == tl.float16 and not SHIFT_ODD:
-            hi = (t & 0xF0).to(DTYPE) + magic
-        else:
-            hi = ((t >> 4) & 0xF).to(DTYPE) + magic
+        lo, hi = _byte_codes(qw, B, DTYPE, SHIFT_ODD)
+        lo = lo + magic
+        hi = hi + magic
+    return lo, hi
+
+
+@triton.jit
+def _byte_codes(qw, B: tl.constexpr, DTYPE: tl.constexpr, SHIFT_ODD: tl.constexpr):
+    # the interpreter's unpack of byte B: nibble 2B's code, and nibble 2B+1's (times 16 in place for fp16
+    # without SHIFT_ODD), as DTYPE
+    t = qw >> (8 * B)
+    lo = (t & 0xF).to(DTYPE)
+    if DTYPE == tl.float16 and not SHIFT_ODD:
+        hi = (t & 0xF0).to(DTYPE)
+    else:
+        hi = ((t >> 4) & 0xF).to(DTYPE)
     return lo, hi
 
 
