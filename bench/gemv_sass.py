@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from gemv_specialization import gemv_args
 from hopper_compile import compile_source, disassemble, main_loop, opcode, resource_usage
 
-from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, GemvPlan, _gemv_kernel, _k_steps
+from kernels.triton.gemv_epilogue import RESIDUAL, ROPE, SILU, STORE
+from kernels.triton.w4a16_gemv import GemvPlan, _gemv_kernel, _k_steps
 
 EPILOGUES = {"store": STORE, "residual": RESIDUAL, "silu": SILU, "rope": ROPE}
 

@@ -78,6 +78,9 @@ class Backend:
     def w4a16_gemv(self, x, qweight, scales, zeros, group_size, perm=None, **fused):
         return self._for("w4a16_gemv").w4a16_gemv(x, qweight, scales, zeros, group_size, perm, **fused)
 
+    def dense_gemv(self, x, weight, **fused):
+        return self._for("dense_gemv").dense_gemv(x, weight, **fused)
+
     def masked_logits(self, logits, bits):
         return self._for("masked_logits").masked_logits(logits, bits)
 

@@ -240,11 +240,33 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     Qwen3's per-head RMSNorm of q and k first): rotary q and k, k and v written to the slot, returns q [1, q_size].
     Otherwise returns y [1, N]. ``bias`` [N] is added to y before any of these.
     """
+    def matmul(row: torch.Tensor) -> torch.Tensor:
+        return w4a16_matmul(row, qweight, scales, zeros, group_size, perm)
+
+    return _fused_one_row(x, matmul, norm_weight=norm_weight, eps=eps, normed=normed, residual=residual,
+                          next_norm=next_norm, silu=silu, rope=rope, bias=bias)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               normed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, silu: bool = False,
+               rope: dict | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``w4a16_gemv`` for a dense weight [N, K] (a Linear's own layout): x @ weight^T with the same fusions."""
+    def matmul(row: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(row, weight)
+
+    return _fused_one_row(x, matmul, norm_weight=norm_weight, eps=eps, normed=normed, residual=residual,
+                          next_norm=next_norm, silu=silu, rope=rope, bias=bias)
+
+
+def _fused_one_row(x: torch.Tensor, matmul, *, norm_weight, eps, normed, residual, next_norm, silu, rope,
+                   bias) -> torch.Tensor:
+    """The unfused ops around ``matmul`` (x [1, K] -> y [1, N] in x's dtype), as ``w4a16_gemv`` describes them."""
     if normed is not None and (norm_weight is None or not torch.equal(normed, x * norm_weight)):
-        raise ValueError("w4a16_gemv: normed must be x * norm_weight (the previous launch's next_norm output)")
+        raise ValueError("one-row GEMV: normed must be x * norm_weight (the previous launch's next_norm output)")
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)[0]
-    y = w4a16_matmul(x, qweight, scales, zeros, group_size, perm)  # [1, N] in x's dtype
+    y = matmul(x)  # [1, N]
     if bias is not None:
         y = y + bias
     if residual is not None:

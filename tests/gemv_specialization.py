@@ -1,8 +1,9 @@
 """The one-row GEMV's arguments as its launcher specializes them, for compiling it without a GPU.
 
 tests/test_kernel_compile.py compiles the variants the engine launches and bench/gemv_sass.py reads their SASS;
-both take the constexprs from here, and here from the launcher's own K-step rule (``_k_steps``), so what is
-compiled is what a launch of that plan would run.
+both take the constexprs from here, and here from the launchers' own K-step rules (``_k_steps``, ``split_k``),
+so what is compiled is what a launch of that plan would run. The int4 and the dense GEMV share their tail's
+arguments (kernels/triton/gemv_epilogue.py).
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import torch
 import triton
 from hopper_compile import Constexpr
 
-from kernels.triton.w4a16_gemv import ROPE, SILU, STORE, GemvPlan, _k_steps, norm_block
+from kernels.triton.dense_gemv import DenseGemvPlan
+from kernels.triton.gemv_epilogue import ROPE, SILU, STORE, norm_block
+from kernels.triton.split_k import split_k
+from kernels.triton.w4a16_gemv import GemvPlan, _k_steps
 
 F16, F32, I32 = torch.float16, torch.float32, torch.int32
 POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "out_ptr": F16,
             "part_ptr": F32, "squares_ptr": F32, "lock_ptr": I32, "norm_ptr": F16, "cos_sin_ptr": F32,
             "pos_ptr": I32, "slot_ptr": I32, "k_cache_ptr": F16, "v_cache_ptr": F16, "q_norm_ptr": F16,
             "k_norm_ptr": F16, "bias_ptr": F16, "normed_ptr": F16, "next_norm_ptr": F16, "normed_out_ptr": F16}
+DENSE_POINTERS = {"x_ptr": F16, "w_ptr": F16, **{name: dtype for name, dtype in POINTERS.items()
+                                                if name not in ("x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "perm_ptr")}}
 ROPE_SIZES = {"Q_SIZE": 4096, "KV_SIZE": 1024, "HEAD_DIM": 128}  # Llama-3-8B's q and kv widths, head size
 
 
@@ -29,13 +35,33 @@ def gemv_args(k: int, n: int, group: int, plan: GemvPlan, *, epilogue=STORE, nor
     ``prescaled``: a NORM launch reading x * weight from ``normed`` (as the engine launches it); ``next_norm``: a
     RESIDUAL launch writing the next norm's input too."""
     k_per_split, splits, block_k = _k_steps(k, group, plan)
+    own = {"GROUP": group, "HAS_PERM": perm, "USE_ASM": True, "BLOCK_N": plan.block_n, "BLOCK_K": block_k,
+           "ONE_STEP": plan.one_step}
+    return _with_tail(POINTERS, own, k, n, k_per_split, splits, epilogue=epilogue, norm=norm, qk_norm=qk_norm,
+                      bias=bias, rope_sizes=rope_sizes, prescaled=prescaled, next_norm=next_norm)
+
+
+def dense_gemv_args(k: int, n: int, plan: DenseGemvPlan, *, epilogue=STORE, norm: bool = False,
+                    qk_norm: bool = False, bias: bool = False, rope_sizes: dict | None = None,
+                    prescaled: bool = False, next_norm: bool = False) -> dict:
+    """``gemv_args`` for ``_dense_gemv_kernel``: an fp16 [N, K] weight launched under ``plan``."""
+    k_per_split, splits = split_k(k, plan.block_k, plan.split)
+    args = _with_tail(DENSE_POINTERS, {"BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k}, k, n, k_per_split,
+                      splits, epilogue=epilogue, norm=norm, qk_norm=qk_norm, bias=bias, rope_sizes=rope_sizes,
+                      prescaled=prescaled, next_norm=next_norm)
+    return {**args, "stride_wn": k}  # rows contiguous: the stride is K
+
+
+def _with_tail(pointers: dict, own: dict, k: int, n: int, k_per_split: int, splits: int, *, epilogue, norm: bool,
+               qk_norm: bool, bias: bool, rope_sizes: dict | None, prescaled: bool, next_norm: bool) -> dict:
+    """A kernel's ``pointers`` and ``own`` constexprs with the shared tail's scalars and constexprs
+    (kernels/triton/gemv_epilogue.py ``epilogue_launch``)."""
     arrivals = splits * (2 if epilogue == SILU else 1)
     rope = (rope_sizes or ROPE_SIZES) if epilogue == ROPE else {"Q_SIZE": 0, "KV_SIZE": 0, "HEAD_DIM": 1}
-    constexprs = {"GROUP": group, "NORM": norm, "EPILOGUE": epilogue.value, "HAS_PERM": perm, "USE_ASM": True,
-                  "USE_PDL": True, **rope, "QK_NORM": qk_norm, "HAS_BIAS": bias, "BLOCK_N": plan.block_n,
-                  "BLOCK_K": block_k, "SPLITS": triton.next_power_of_2(splits),
+    constexprs = {"NORM": norm, "EPILOGUE": epilogue.value, "USE_PDL": True, **rope, "QK_NORM": qk_norm,
+                  "HAS_BIAS": bias, "SPLITS": triton.next_power_of_2(splits),
                   "NORM_BLOCK": norm_block(k, k_per_split, splits, epilogue == SILU) if norm else 1,
-                  "ONE_STEP": plan.one_step, "PRESCALED": prescaled, "NEXT_NORM": next_norm}
+                  "PRESCALED": prescaled, "NEXT_NORM": next_norm, **own}
     scalars = {"N": n, "K": k, "k_per_split": k_per_split, "splits": splits, "lock_rest": 1024 - arrivals,
                "eps": 1e-5, "qk_eps": 1e-6}
-    return {**POINTERS, **scalars, **{name: Constexpr(value) for name, value in constexprs.items()}}
+    return {**pointers, **scalars, **{name: Constexpr(value) for name, value in constexprs.items()}}

@@ -1,9 +1,10 @@
 """The fused one-sequence decode layer (engine/models/fused_decode.py) computes what the unfused layer computes.
 
-On CPU the reference backend runs both paths (``reference.w4a16_gemv`` composes the unfused ops), so this checks
-the wiring: the residual stream updated in place, rotary at the right position, K and V in the right cache slot,
-the final norm. On a GPU the same comparison runs with the Triton kernels (the half2 GEMV and its epilogues)
-on the default AWQ model and on a random 7B-layer-shape AWQ model.
+On CPU the reference backend runs both paths (``reference.w4a16_gemv`` and ``reference.dense_gemv`` compose the
+unfused ops), so this checks the wiring: the residual stream updated in place, rotary at the right position, K
+and V in the right cache slot, the final norm on the head's launch. On a GPU the same comparison runs with the
+Triton kernels (the half2 int4 GEMV, the dense fp16 GEMV and their shared epilogues) on random-weight AWQ and
+fp16 builds of real shapes.
 """
 
 from __future__ import annotations
@@ -96,11 +97,23 @@ def test_fused_decode_matches_unfused_on_qwen_cpu(tmp_path, family):
     _compare(awq, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
 
 
+def test_fused_decode_runs_dense_fp16_models_on_cpu(default_model_dir):
+    # the default model's fp16 weights go through the dense GEMV (kernels/triton/dense_gemv.py on a GPU), and
+    # the final norm through the head's launch for every format
+    model = load_model(default_model_dir, torch.device("cpu"), torch.float16, Backend(use_triton=False),
+                       max_positions=64)
+    assert fused_decode_unsupported(model) is None
+    _compare(default_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
+
+
 def test_fused_decode_refuses_what_it_cannot_run(default_model_dir):
     model = load_model(default_model_dir, torch.device("cpu"), torch.float16, Backend(use_triton=False),
                        max_positions=64)
-    assert "not one packed int4 weight" in fused_decode_unsupported(model)
-    assert not model.fuse_one_row_decode
+    layer = model.layers[0]
+    layer.gate_up_proj.parts = [part.to(torch.bfloat16) for part in layer.gate_up_proj.parts]
+    assert "a dense weight of torch.bfloat16" in fused_decode_unsupported(model)
+    layer.gate_up_proj.parts = layer.gate_up_proj.parts * 2  # a merged layer kept in parts
+    assert "not one weight" in fused_decode_unsupported(model)
 
 
 def test_fused_decode_needs_fp16_activations(awq_model_dir):
@@ -111,14 +124,16 @@ def test_fused_decode_needs_fp16_activations(awq_model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("shape", ["smollm2-135m", "llama2-7b"])
-def test_fused_decode_matches_unfused_on_gpu(shape):
-    # random-weight AWQ builds of real shapes (the GPU machine has no default model); the half2 GEMV rounds its
-    # partial sums in fp16, so logits agree within a few fp16 ulps rather than exactly
+@pytest.mark.parametrize("shape,quant", [("smollm2-135m", "awq"), ("llama2-7b", "awq"), ("smollm2-135m", "fp16"),
+                                         ("llama2-7b-4l", "fp16")])
+def test_fused_decode_matches_unfused_on_gpu(shape, quant):
+    # random-weight builds of real shapes (the GPU machine has no default model): AWQ through the half2 GEMV,
+    # fp16 through the dense one; the GEMVs round their partial sums differently from cuBLAS, so logits agree
+    # within a few fp16 ulps rather than exactly
     from bench.common import DEFAULT_MODELS_DIR
     from bench.random_model import BuildSpec, build_model
 
-    model_dir = build_model(DEFAULT_MODELS_DIR, BuildSpec(shape, "awq"), "cuda")
+    model_dir = build_model(DEFAULT_MODELS_DIR, BuildSpec(shape, quant), "cuda")
     model = load_model(model_dir, torch.device("cuda"), torch.float16, Backend(use_triton=True), max_positions=64)
     assert fused_decode_unsupported(model) is None and model.fuse_one_row_decode
     del model

@@ -13,7 +13,7 @@ import argparse
 
 import pytest
 import torch
-from gemv_specialization import gemv_args
+from gemv_specialization import dense_gemv_args, gemv_args
 from hopper_compile import (
     HOPPER_SHARED_BYTES,
     Constexpr,
@@ -28,7 +28,9 @@ from hopper_compile import (
 )
 
 from kernels.triton import decode_attention, prefill_attention, token_mask
-from kernels.triton.w4a16_gemv import RESIDUAL, ROPE, SILU, STORE, _gemv_kernel, gemv_plan, register_cap
+from kernels.triton.dense_gemv import _dense_gemv_kernel, dense_gemv_plan
+from kernels.triton.gemv_epilogue import RESIDUAL, ROPE, SILU, STORE
+from kernels.triton.w4a16_gemv import _gemv_kernel, gemv_plan, register_cap
 from kernels.triton.w4a16_mma import _mma_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
 
@@ -121,6 +123,40 @@ def test_gemv_main_loop_stays_within_its_instruction_budget():
     words = plan.block_k // 8 * plan.block_n // (32 * plan.num_warps)  # packed words a thread takes per K step
     assert len(loop) / words <= 24, f"{len(loop)} instructions for {words} words a thread ({plan})"
     assert resource_usage(compiled.asm["cubin"]).spilled_bytes == 0, plan
+
+
+DENSE_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue read prescaled, rotary sizes): as the fused layer
+    ("7b-qkv", 4096, 12288, ROPE, True, {"Q_SIZE": 4096, "KV_SIZE": 4096, "HEAD_DIM": 128}),  # fp16 Llama-2-7B
+    ("qwen3-8b-qkv+qk-norm", 4096, 6144, ROPE, True, {"Q_SIZE": 4096, "KV_SIZE": 1024, "HEAD_DIM": 128}),
+    ("7b-o", 4096, 4096, RESIDUAL, False, None),
+    ("7b-gate/up", 4096, 22016, SILU, True, None),
+    ("7b-down", 11008, 4096, RESIDUAL, False, None),
+    ("8b-lm-head", 4096, 128256, STORE, True, None),  # the final norm on the head's launch
+    ("smollm2-qkv", 576, 960, ROPE, True, SMOLLM2_ROPE),
+    ("smollm2-down", 1536, 576, RESIDUAL, False, None),
+]
+
+
+@pytest.mark.parametrize(("name", "k", "n", "epilogue", "norm", "rope"), DENSE_LAUNCHES,
+                         ids=[v[0] for v in DENSE_LAUNCHES])
+def test_dense_gemv_launches_compile_without_spills(name, k, n, epilogue, norm, rope):
+    """The fp16 GEMV as the fused layer launches it (kernels/triton/dense_gemv.py) compiles without spills, and
+    its K loop stays short. An SM must take ~8 fp16 weights a cycle to keep up with the H200's bandwidth, and
+    issues 4 warp-instructions (128 thread-instructions) a cycle, so ~5 a weight uses a third of issue: the loop
+    stays bound by memory. The tiles of rows along the warps took 142 a step for 32 weights (x through shared
+    memory, two barriers); 144 with the warps along K, and no barrier (session 18)."""
+    qk_norm = "qk-norm" in name
+    plan = dense_gemv_plan(n, k, 132, head_dim=rope["HEAD_DIM"] if qk_norm else None)
+    args = dense_gemv_args(k, n, plan, epilogue=epilogue, norm=norm, qk_norm=qk_norm, rope_sizes=rope,
+                           prescaled=norm, next_norm=epilogue == RESIDUAL)
+    compiled = compile_source(_dense_gemv_kernel, args, plan.num_warps)
+    usage = resource_usage(compiled.asm["cubin"])
+    assert usage.spilled_bytes == 0, f"{name} {plan}: {usage.registers} registers, {usage.spilled_bytes} B spilled"
+    loop = main_loop(disassemble(compiled.asm["cubin"]))
+    weights = plan.block_n * plan.block_k // (32 * plan.num_warps)  # a thread's weights a K step
+    assert len(loop) / weights <= 5, f"{name}: {len(loop)} instructions for {weights} weights a thread ({plan})"
+    if not qk_norm:  # (a whole head's tile spreads its rows over the warps: x goes through shared memory)
+        assert not any("BAR.SYNC" in op for op in loop), f"{name}: a barrier in the K loop ({plan})"
 
 
 PLANES_VARIANTS = [  # (activation dtype, columns per program, split-K summed in the launch, act-order)

@@ -42,6 +42,7 @@ def test_triton_ops_have_the_reference_signatures():
         "paged_decode_attention",
         "w4a16_matmul",
         "w4a16_gemv",
+        "dense_gemv",
         "masked_logits",
     ]:
         assert inspect.signature(getattr(triton_ops, name)) == inspect.signature(getattr(reference, name)), (

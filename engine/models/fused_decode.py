@@ -2,9 +2,11 @@
 
 One row of activations against every weight is bound by weight bandwidth and, on small models, by launches
 (~1.3 us each inside a CUDA graph). The unfused layer is ten launches (norm, qkv, rotary, cache write,
-attention, o, norm, gate/up, SiLU, down); here the one-row GEMV (kernels/triton/w4a16_gemv.py) takes its
-neighbours: the RMSNorm in its prologue, rotary + the KV-cache write, the residual add or SiLU x up in its
-epilogue. What is left per layer: qkv, attention, o, gate/up, down.
+attention, o, norm, gate/up, SiLU, down); here the one-row GEMV (kernels/triton/w4a16_gemv.py for packed int4
+weights, kernels/triton/dense_gemv.py for fp16 ones) takes its neighbours: the RMSNorm in its prologue, rotary
++ the KV-cache write, the residual add or SiLU x up in its epilogue. What is left per layer: qkv, attention, o,
+gate/up, down; after the last layer the final norm rides on the LM head's launch (the dense GEMV, whatever the
+layers' format).
 
 The residual stream is one [1, hidden] tensor that the o and down launches add into in place; they also write
 the new residual times the next RMSNorm's weight, which the next GEMV's dot reads instead of forming it in its
@@ -38,6 +40,8 @@ def fused_decode_unsupported(model) -> str | None:
         return f"head_dim {cfg.head_dim} is not a power of two"
     if cfg.rotary_dim != cfg.head_dim:
         return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
+    if cfg.hidden_size % 8 or model.lm_head.stride(1) != 1:
+        return f"the LM head [{cfg.vocab_size}, {cfg.hidden_size}] is not rows of a multiple of 8 contiguous weights"
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             reason = _linear_unsupported(getattr(layer, name))
@@ -47,9 +51,15 @@ def fused_decode_unsupported(model) -> str | None:
 
 
 def _linear_unsupported(linear: Linear) -> str | None:
-    if len(linear.parts) != 1 or not isinstance(linear.parts[0], PackedInt4):
-        return "not one packed int4 weight"
+    if len(linear.parts) != 1:
+        return "not one weight (a merged layer kept in parts)"
     weight = linear.parts[0]
+    if isinstance(weight, torch.Tensor):  # dense [out, in]
+        if weight.dtype != torch.float16 or weight.stride(1) != 1 or weight.shape[1] % 8:
+            return f"a dense weight of {weight.dtype}, in_features {weight.shape[1]} (needs fp16, a multiple of 8)"
+        if weight.shape[0] % 8:
+            return f"out_features {weight.shape[0]} not a multiple of 8 (the dense GEMV's gate/up tiles)"
+        return None
     if weight.group_size % 32 or weight.in_features % 32:
         return f"group size {weight.group_size} / in_features {weight.in_features} not multiples of 32"
     if not torch.equal(weight.zeros, weight.zeros.round()):
@@ -59,8 +69,10 @@ def _linear_unsupported(linear: Linear) -> str | None:
 
 def _gemv(model, linear: Linear, x: torch.Tensor, **fused) -> torch.Tensor:
     weight = linear.parts[0]
-    return model.backend.w4a16_gemv(x, weight.qweight, weight.scales, weight.zeros, weight.group_size, weight.perm,
-                                    bias=linear.bias, **fused)
+    if isinstance(weight, PackedInt4):
+        return model.backend.w4a16_gemv(x, weight.qweight, weight.scales, weight.zeros, weight.group_size,
+                                        weight.perm, bias=linear.bias, **fused)
+    return model.backend.dense_gemv(x, weight, bias=linear.bias, **fused)
 
 
 @torch.inference_mode()
@@ -89,8 +101,8 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
               next_norm=(layer.post_attention_layernorm, normed))
         act = _gemv(model, layer.gate_up_proj, residual, norm_weight=layer.post_attention_layernorm, eps=eps,
                     normed=normed, silu=True)  # [1, intermediate]
-        last = index + 1 == len(layers)  # the final norm before the head is a launch of its own
+        last = index + 1 == len(layers)  # the last down writes the final norm's input for the head
         _gemv(model, layer.down_proj, act, residual=residual,
-              next_norm=None if last else (layers[index + 1].input_layernorm, normed))
-    hidden, _ = model.backend.rms_norm(residual, model.norm, eps)
-    return torch.nn.functional.linear(hidden, model.lm_head).float()
+              next_norm=(model.norm if last else layers[index + 1].input_layernorm, normed))
+    logits = model.backend.dense_gemv(residual, model.lm_head, norm_weight=model.norm, eps=eps, normed=normed)
+    return logits.float()  # [1, vocab]

@@ -20,8 +20,9 @@ LOCK_ATTR = "_pagoda_planes_lock"
 
 
 def split_k(k: int, step: int, split: int) -> tuple[int, int]:
-    """(k_per_split, splits): about ``split`` splits of K, each a whole number of ``step``s."""
-    steps = k // step
+    """(k_per_split, splits): about ``split`` splits of K, each a whole number of ``step``s (the last step may
+    run past K: a dense GEMV's K need not be a multiple of its step)."""
+    steps = cdiv(k, step)
     per = cdiv(steps, max(1, min(split, steps))) * step
     return per, cdiv(k, per)
 

@@ -22,18 +22,9 @@ in packed half2 arithmetic:
   (PRMT) of two words each: x[64b + 8j + w] is half w % 2 of word 32b + 4j + w // 2, so rows w and w + 1 of a
   block share their 8 words. Gathering the pairs element by element cost ~60 of the ~86
   instructions a packed word took (SASS of the main loop), so the loop was issue-bound, not memory-bound.
-- Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own. 1 / rms is a
-  scalar of the row: the loop multiplies the words of x and the norm weight in half2; each split program
-  also sums the squares of its own slice of x, and the program that finishes a column tile (the last split to
-  arrive) reads those [splits] sums with the partials and scales the tile's sum (a lone program without
-  partials reduces the row itself), so the row is never reduced inside the loop or twice in a tail.
-- Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down), ``SILU``
-  (gate and up tiles share one counter; the last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the
-  q and k columns, k and v written to their KV-cache slot, q stored; a tile holds whole heads, so each rotary
-  partner column's partial is summed by the same program).
-
-Rounding follows kernels/reference.py: outputs of the matmul round to fp16 before the epilogue's arithmetic, as
-the unfused ops would see them.
+- The RMSNorm prologue's 1 / rms, the split-K partials and the fused epilogues (residual add, SiLU x up,
+  rotary + KV-cache write) are the one-row GEMVs' shared tail (kernels/triton/gemv_epilogue.py); this kernel's
+  part is the product of its column tile, with x times the norm weight in half2 where the prologue has a norm.
 """
 
 from __future__ import annotations
@@ -52,15 +43,18 @@ from kernels.triton.common import (
     largest_pow2_divisor,
     next_pow2,
     num_sms,
-    pdl_supported,
 )
-from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm, split_k
+from kernels.triton.gemv_epilogue import (
+    MAX_SPLIT,
+    SILU,
+    epilogue_launch,
+    inv_rms,
+    one_split_epilogue,
+    slice_squares,
+    split_epilogue,
+)
+from kernels.triton.split_k import split_k
 from kernels.triton.w4a16_planes import _plane_rows
-
-STORE: tl.constexpr = tl.constexpr(0)  # epilogues
-RESIDUAL: tl.constexpr = tl.constexpr(1)
-SILU: tl.constexpr = tl.constexpr(2)
-ROPE: tl.constexpr = tl.constexpr(3)
 
 
 def _word_dot_ptx(halves: bool, words: int = 1) -> str:
@@ -183,36 +177,6 @@ def _half_bits(x):
 
 
 @triton.jit
-def _inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
-    # 1 / sqrt(mean(x^2) + eps) over the row x [K] in fp32, BLOCK >= K: unrolled chunks of 1024, so the loads are
-    # in flight together (one memory latency) while only a chunk's worth of registers is live at a time
-    CHUNK: tl.constexpr = 1024 if BLOCK > 1024 else BLOCK  # noqa: FURB136 (constexpr arithmetic in @jit)
-    acc = tl.zeros([CHUNK], tl.float32)
-    for c in tl.static_range(BLOCK // CHUNK):
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        v = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-        acc += v * v
-    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
-
-
-@triton.jit
-def _slice_squares(x_ptr, k_start, k_end, BLOCK: tl.constexpr):
-    # sum of x^2 over this split's slice x[k_start:k_end] in fp32, BLOCK >= k_end - k_start: a few elements a
-    # thread and one warp reduction, so the finishing program reads [splits] sums instead of the whole row
-    offs = k_start + tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + offs, mask=offs < k_end, other=0.0).to(tl.float32)
-    return tl.sum(v * v, axis=0)
-
-
-@triton.jit
-def _inv_rms_of_slices(squares_ptr, column, tiles, splits, K, eps, SPLITS: tl.constexpr):
-    # 1 / rms(x) from the splits' sums of squares of their slices, stored [splits, tiles] by a column tile's programs
-    sk = tl.arange(0, SPLITS)
-    part = tl.load(squares_ptr + sk * tiles + column, mask=sk < splits, other=0.0, cache_modifier=".cg")
-    return 1.0 / tl.sqrt(tl.sum(part, axis=0) / K + eps)
-
-
-@triton.jit
 def _x_column(x_ptr, norm_ptr, perm_ptr, cols, row_live, NORM: tl.constexpr):
     # x[perm[cols]] in fp16 [R] (act-order), zero where not row_live; with NORM, times the norm weight
     src = tl.load(perm_ptr + cols, mask=row_live, other=0)
@@ -284,87 +248,6 @@ def _x_word_pairs(xw_ptr, nw_ptr, k0, rr, row_live, NORM: tl.constexpr, USE_ASM:
             _x_word_pair(xw_ptr, nw_ptr, offs + 4, high, row_live, NORM, USE_ASM),
             _x_word_pair(xw_ptr, nw_ptr, offs + 8, high, row_live, NORM, USE_ASM),
             _x_word_pair(xw_ptr, nw_ptr, offs + 12, high, row_live, NORM, USE_ASM))
-
-
-@triton.jit
-def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr,
-                CHUNK: tl.constexpr, scale):
-    # sum over splits of the fp32 partials [splits, N] at cols, times scale (the RMSNorm prologue's 1 / rms, or
-    # 1) -> fp16-rounded fp32 [BN], plus the bias where the linear has one (rounded again: the unfused Linear
-    # adds it to the fp16 product in fp16). CHUNK splits' partials are loaded at once: one load per split put
-    # an L2 round trip per split on the critical path; the rotary epilogue sums two tiles (columns and their
-    # partners) 16 splits at a time, since 2 x 32 at once set the register count of the whole kernel (8B qkv
-    # 12.3 -> 9.8 us with chunks; o, one tile, was 5% slower in chunks)
-    sk = tl.arange(0, CHUNK)
-    if CHUNK == SPLITS:
-        tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
-                       other=0.0, cache_modifier=".cg")  # [SPLITS, BN]
-        total = tl.sum(tile, axis=0)
-    else:
-        total = tl.zeros(cols.shape, tl.float32)
-        for s0 in range(0, splits, CHUNK):
-            live = ((s0 + sk) < splits)[:, None] & mask[None, :]
-            tile = tl.load(part_ptr + (s0 + sk)[:, None] * N + cols[None, :], mask=live, other=0.0,
-                           cache_modifier=".cg")  # [CHUNK, BN]
-            total += tl.sum(tile, axis=0)
-    return _rounded(total * scale, cols, mask, bias_ptr, HAS_BIAS)
-
-
-@triton.jit
-def _rounded(y, cols, mask, bias_ptr, HAS_BIAS: tl.constexpr):
-    # the product y [BN] (fp32) as the unfused op returns it: rounded to fp16, plus the bias rounded again
-    total = y.to(tl.float16).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        total = (total + bias).to(tl.float16).to(tl.float32)
-    return total
-
-
-@triton.jit
-def _head_norm(t, weight, eps, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # RMSNorm of each head of the tile's columns t [BN] (fp16 values in fp32), as reference.rms_norm rounds it:
-    # weight * fp16(t / rms(head)), weight [BN] fp16
-    heads = tl.reshape(t * t, [BLOCK_N // HEAD_DIM, HEAD_DIM])
-    inv = 1.0 / tl.sqrt(tl.sum(heads, axis=1) / HEAD_DIM + eps)  # [heads in the tile]
-    inv_cols = tl.reshape(tl.broadcast_to(inv[:, None], [BLOCK_N // HEAD_DIM, HEAD_DIM]), [BLOCK_N])
-    return (weight * (t * inv_cols).to(tl.float16)).to(tl.float32)
-
-
-@triton.jit
-def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE: tl.constexpr,
-                   KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot. QK_NORM
-    # (Qwen3): each q and k head is RMS-normalized by q_norm / k_norm [HEAD_DIM] before rotary
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = rn % HEAD_DIM
-    first = d < HALF
-    partner = tl.where(first, rn + HALF, rn - HALF)
-    CHUNK: tl.constexpr = 16 if SPLITS > 16 else SPLITS  # noqa: FURB136 (constexpr arithmetic in @jit)
-    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
-    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
-    if QK_NORM:  # a tile holds whole heads, and a column's rotary partner is in its head
-        d_partner = partner % HEAD_DIM
-        in_q = rn < Q_SIZE
-        weight = tl.where(in_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d))
-        weight_partner = tl.where(in_q, tl.load(q_norm_ptr + d_partner), tl.load(k_norm_ptr + d_partner))
-        in_v = rn >= Q_SIZE + KV_SIZE  # v is not normalized (whole heads of v: the masks agree per head)
-        t = tl.where(in_v, t, _head_norm(t, weight, qk_eps, BLOCK_N, HEAD_DIM))
-        tp = tl.where(in_v, tp, _head_norm(tp, weight_partner, qk_eps, BLOCK_N, HEAD_DIM))
-    pos = tl.load(pos_ptr).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d % HALF)
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d % HALF)
-    rotated = tl.where(first, t * cos - tp * sin, t * cos + tp * sin)
-    is_q = rn < Q_SIZE
-    is_v = rn >= Q_SIZE + KV_SIZE
-    tl.store(out_ptr + rn, rotated.to(tl.float16), mask=n_mask & is_q)
-    slot = tl.load(slot_ptr).to(tl.int64)
-    live = n_mask & ((slot + rn * 0) >= 0)  # a tensor mask: the interpreter mistypes scalar-bool & tensor
-    k_col = rn - Q_SIZE
-    v_col = rn - Q_SIZE - KV_SIZE
-    tl.store(k_cache_ptr + slot * KV_SIZE + k_col, rotated.to(tl.float16), mask=live & ~is_q & ~is_v)
-    tl.store(v_cache_ptr + slot * KV_SIZE + v_col, t.to(tl.float16), mask=live & is_v)
 
 
 @triton.jit
@@ -562,7 +445,7 @@ def _gemv_kernel(
     else:
         dot_ptr = x_ptr
     if NORM and split_path:
-        squares = _slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
+        squares = slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
     else:
         squares = 0.0
     if ONE_STEP:
@@ -584,93 +467,15 @@ def _gemv_kernel(
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
     if not split_path:  # the tile's whole sum is here: no partials, no ticket
         if NORM:
-            y = y * _inv_rms(x_ptr, K, eps, NORM_BLOCK)
-        _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                            v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
-                            EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM)
+            y = y * inv_rms(x_ptr, K, eps, NORM_BLOCK)
+        one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
+                           EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM)
     else:
-        _split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
-                        out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
-                        qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM,
-                        SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM)
-
-
-@triton.jit
-def _one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                        q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
-                        EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        NEXT_NORM: tl.constexpr):
-    # one split: the program holds its tile's whole product y [BN]. STORE / RESIDUAL finish from registers;
-    # ROPE needs each column's rotary partner, held by another thread of the program, so the tile goes through
-    # the partial buffer and a barrier (one L2 round trip, no ticket)
-    if EPILOGUE == ROPE:
-        tl.store(part_ptr + rn, y, mask=n_mask)
-        tl.debug_barrier()  # every thread's columns are stored before any partner is read
-        _rope_epilogue(part_ptr, rn, n_mask, 1, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                       v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, 1.0, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
-                       QK_NORM, BLOCK_N, HAS_BIAS)
-    else:
-        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr,
-                    EPILOGUE, NEXT_NORM)
-
-
-@triton.jit
-def _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE: tl.constexpr,
-                NEXT_NORM: tl.constexpr):
-    # STORE / RESIDUAL: the tile's fp16-rounded product total [BN] (fp32) stored, or added into the residual;
-    # NEXT_NORM (RESIDUAL): the new residual times the next RMSNorm's weight also stored, in fp16 (the product of
-    # two fp16 values is exact in fp32: one rounding, as the next GEMV's own half2 multiply would give)
-    if EPILOGUE == RESIDUAL:
-        total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    stored = total.to(tl.float16)
-    tl.store(out_ptr + rn, stored, mask=n_mask)
-    if NEXT_NORM:
-        weight = tl.load(next_norm_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(normed_out_ptr + rn, (stored.to(tl.float32) * weight).to(tl.float16), mask=n_mask)
-
-
-@triton.jit
-def _split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
-                    out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps,
-                    bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr,
-                    KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NEXT_NORM: tl.constexpr):
-    # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes.
-    # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x), taken
-    # from the sums of squares each split stored for its slice of x: the tail's loads (partials and [splits]
-    # sums) are then one L2 round trip, where reducing the whole row there was a second one after it
-    tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
-    num_tiles = tl.num_programs(0)
-    if NORM:
-        tl.store(squares_ptr + pid_k * num_tiles + pid_n, squares)
-    if EPILOGUE == SILU:
-        counter = pid_n % (num_tiles // 2)  # gate tile c and up tile c + tiles / 2 share one counter
-        arrivals = 2 * splits
-    else:
-        counter = pid_n
-        arrivals = splits
-    if last_to_arrive(lock_ptr, counter, arrivals):
-        if NORM:
-            scale = _inv_rms_of_slices(squares_ptr, pid_n, num_tiles, splits, K, eps, SPLITS)
-        else:
-            scale = 1.0
-        if EPILOGUE == SILU:
-            inter = N // 2
-            gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
-            live = gate_cols < inter
-            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
-            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
-            act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
-            tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
-        elif EPILOGUE == ROPE:
-            _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE, KV_SIZE, HEAD_DIM,
-                           SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
-        else:
-            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
-            _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE, NEXT_NORM)
-        rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
+        split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
+                       out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
+                       qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM,
+                       SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM)
 
 
 @dataclass(frozen=True)
@@ -690,7 +495,6 @@ class GemvPlan:
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
 SMALL_MATRIX_WARPS = 8  # a small matrix's column tile: all of K in one program, the rows over 8 warps
 ONE_STEP_WORDS = 32  # packed words a thread may hold in a one-step plan: at 32, 97-192 registers, no spills
-MAX_SPLIT = 32  # the last program of a tile sums one partial per split: 64 put ~2 us on 4096x4096's tail
 LARGE_MATRIX_REGISTERS = 128  # uncapped, Triton 3.6 gives 168-174 (the epilogue's partial tiles): 12 warps an SM
 
 
@@ -768,32 +572,11 @@ def _register_cap(plan: GemvPlan, act_order: bool) -> dict:
     return {"maxnreg": cap} if cap else {}
 
 
-def norm_block(k: int, k_per_split: int, splits: int, silu: bool) -> int:
-    """The NORM prologue's constexpr block: a split program sums the squares of its slice of x (``k_per_split``
-    rows); a lone program without partials (one split, not SILU) reduces the whole row."""
-    return next_pow2(k_per_split if splits > 1 or silu else k)
-
-
 def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
     """fp16 activations (the half2 dot), one row, K whole 64-row blocks of the packed layout (a word's nibbles
     span its block) and groups of whole 32-row halves of blocks (a half2 of nibbles j and j + 4 is one row of
     each half)."""
     return x.dtype == torch.float16 and x.shape[0] == 1 and group_size % 32 == 0 and k % 64 == 0
-
-
-def _check_prescaled(x: torch.Tensor, norm_weight, normed, residual, next_norm, n: int) -> None:
-    """``normed`` goes with a norm weight and has x's shape; ``next_norm`` goes with a residual, its weight and
-    output N wide; both fp16 and contiguous (the kernel reads and writes them as flat rows)."""
-    if normed is not None and (norm_weight is None or normed.shape != x.shape or normed.dtype != x.dtype
-                               or not normed.is_contiguous()):
-        raise ValueError(f"w4a16_gemv: normed {tuple(normed.shape)} needs norm_weight and x's shape "
-                         f"{tuple(x.shape)}, dtype and a contiguous layout")
-    if next_norm is not None:
-        weight, out = next_norm
-        if (residual is None or weight.shape != (n,) or out.shape != (1, n) or out.dtype != x.dtype
-                or not out.is_contiguous()):
-            raise ValueError(f"w4a16_gemv: next_norm needs a residual, a weight [{n}] and a contiguous "
-                             f"fp16 output [1, {n}]")
 
 
 def w4a16_gemv(
@@ -836,47 +619,15 @@ def w4a16_gemv(
         raise ValueError(f"w4a16_gemv: needs one fp16 row, K a multiple of 64 and a group size that is "
                          f"a multiple of 32 (x {tuple(x.shape)}, {x.dtype}, group {group_size})")
     x = x.contiguous()
-    _check_prescaled(x, norm_weight, normed, residual, next_norm, n)
     head_dim = rope["head_dim"] if rope is not None else None
     plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim, norm=norm_weight is not None)
     k_per_split, splits, block_k = _k_steps(k, group_size, plan)
-    tiles = cdiv(n, plan.block_n)
-    if plan.block_n & (plan.block_n - 1):
-        raise ValueError(f"w4a16_gemv: column tile {plan.block_n} is not a power of two")
-    epilogue, out, extra = STORE.value, None, {}
-    if residual is not None:
-        epilogue, out = RESIDUAL.value, residual
-    elif silu:
-        if n % (2 * plan.block_n):
-            raise ValueError(f"w4a16_gemv: silu needs gate and up widths ({n // 2}) in whole {plan.block_n}-tiles")
-        epilogue, out = SILU.value, torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
-    elif rope is not None:
-        if plan.block_n % head_dim or head_dim & (head_dim - 1):
-            raise ValueError(f"w4a16_gemv: rope tiles ({plan.block_n}) must hold whole heads ({head_dim})")
-        epilogue, out = ROPE.value, torch.empty((1, rope["q_size"]), dtype=x.dtype, device=x.device)
-        extra = rope
-    else:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    scratch = torch.empty((splits * (n + tiles),), dtype=torch.float32, device=x.device)
-    part, squares = scratch[: splits * n].view(splits, n), scratch[splits * n:]  # [splits, N], [splits, tiles]
-    pdl = pdl_supported(x.device)
-    lock = lock_buffer(qweight, tiles, reuse=True)
-    dummy = qweight
-    _gemv_kernel[(tiles, splits)](
-        x, qweight, scales, zeros, perm if perm is not None else dummy, out, part, squares, lock,
-        norm_weight if norm_weight is not None else dummy,
-        extra.get("cos_sin_cache", dummy), extra.get("positions", dummy), extra.get("slot_mapping", dummy),
-        extra.get("k_cache", dummy), extra.get("v_cache", dummy), extra.get("q_norm", dummy),
-        extra.get("k_norm", dummy), bias if bias is not None else dummy, normed if normed is not None else dummy,
-        next_norm[0] if next_norm is not None else dummy, next_norm[1] if next_norm is not None else dummy,
-        n, k, k_per_split, splits, LOCK_PERIOD.value - splits * (2 if epilogue == SILU.value else 1), float(eps),
-        float(extra.get("eps", 0.0)), GROUP=group_size, NORM=norm_weight is not None, EPILOGUE=epilogue, HAS_PERM=perm is not None,
-        USE_ASM=not interpreting(), USE_PDL=pdl, Q_SIZE=extra.get("q_size", 0), KV_SIZE=extra.get("kv_size", 0),
-        HEAD_DIM=head_dim or 1, QK_NORM=extra.get("q_norm") is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, BLOCK_K=block_k, SPLITS=next_pow2(splits),
-        NORM_BLOCK=norm_block(k, k_per_split, splits, epilogue == SILU.value) if norm_weight is not None else 1,
-        ONE_STEP=plan.one_step, PRESCALED=normed is not None, NEXT_NORM=next_norm is not None,
-        num_warps=plan.num_warps,
-        **({"launch_pdl": True} if pdl else {}), **_register_cap(plan, perm is not None),
+    launch = epilogue_launch("w4a16_gemv", x, qweight, n, plan.block_n, k_per_split, splits, norm_weight=norm_weight,
+                             eps=eps, normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope,
+                             bias=bias)
+    _gemv_kernel[(cdiv(n, plan.block_n), splits)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, *launch.args, GROUP=group_size,
+        HAS_PERM=perm is not None, USE_ASM=not interpreting(), BLOCK_N=plan.block_n, BLOCK_K=block_k,
+        ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs, **_register_cap(plan, perm is not None),
     )
-    return out
+    return launch.out

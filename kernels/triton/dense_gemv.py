@@ -1,0 +1,229 @@
+"""fp16 GEMV at M = 1 for dense weights, with the decode layer's neighbours fused (single-stream decode, issue 15).
+
+Why: an fp16 model's decode step is one row of x against every weight, bound by how fast two bytes a weight
+stream from HBM. Through cuBLAS the layer's other ops stay launches of their own (RMSNorm, rotary, the cache
+write, SiLU: ten launches a layer, where the fused int4 layer has five), and its one-row matmuls are not what
+cuBLAS tunes for; issue 15 measured the fp16 7B step at 0.62 of the bandwidth roofline (llama.cpp 0.72). Here
+the product of a column tile is this kernel's own part and the rest is the one-row GEMVs' shared tail
+(kernels/triton/gemv_epilogue.py: the norm's 1 / rms, split-K, the residual add, SiLU x up, rotary + the cache
+write), so an fp16 model's layer is the same five launches as an int4 one's, and the final norm rides on the
+LM head's launch.
+
+- The weight is the Linear's own [N, K] (out, in), read in place: a program's tile is ``BLOCK_N`` output rows
+  by ``BLOCK_K`` of K, each thread loading 16 contiguous bytes (8 weights) of a row at a time. The products
+  accumulate elementwise in fp32 [BLOCK_N, BLOCK_K] (fp16 x fp16 is exact in fp32) and K is reduced once,
+  after the loop.
+- A 16-byte load of fp16 weights takes ~2 instructions a weight to consume, against ~20 a 4-byte word of int4
+  (w4a16_gemv.py), so this loop is bound by memory latency, not issue: what it needs is bytes in flight. Each
+  program loads its next K step while it multiplies this one, and the grid is sized to ~24 warps an SM with
+  split-K (``dense_gemv_plan``).
+- With the RMSNorm prologue the dot reads x times the norm weight (formed here in fp16, or read as the previous
+  launch's ``normed``), and the tail scales the sum by 1 / rms, as the int4 GEMV does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.common import cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2, num_sms
+from kernels.triton.gemv_epilogue import (
+    MAX_SPLIT,
+    ROPE,
+    SILU,
+    epilogue_launch,
+    inv_rms,
+    one_split_epilogue,
+    slice_squares,
+    split_epilogue,
+)
+from kernels.triton.split_k import split_k
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    part_ptr,
+    squares_ptr,
+    lock_ptr,
+    norm_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    bias_ptr,
+    normed_ptr,
+    next_norm_ptr,
+    normed_out_ptr,
+    N,
+    K,
+    k_per_split,
+    splits,
+    lock_rest,
+    eps,
+    qk_eps,
+    stride_wn,
+    NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    PRESCALED: tl.constexpr,
+    NEXT_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x [K] @ W^T, W [N, K] (row stride stride_wn); grid = (column tiles, splits); fp32 partials [splits, N] in
+    # part_ptr. PRESCALED (with NORM): the dot reads x * norm weight from normed_ptr (the previous launch's
+    # NEXT_NORM output) and x gives only the rms
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if EPILOGUE == ROPE and not QK_NORM:  # rotary pairs: row i is column d (+ HEAD_DIM / 2 in the second half)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        i = tl.arange(0, BLOCK_N)
+        pair = pid_n * (BLOCK_N // 2) + i % (BLOCK_N // 2)  # d of head h as h * HALF + d
+        rn = pair // HALF * HEAD_DIM + pair % HALF + i // (BLOCK_N // 2) * HALF
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    # masks past the split's end are per 8 columns: K is a multiple of 8, and a mask that is constant over each
+    # thread's 8 contiguous weights lets them load as one 16-byte access (per column, it split them into 4-byte
+    # loads: SASS, session 18)
+    rk_chunk = rk // 8 * 8
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]  # [BN, BK], a step at a time
+    # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent launch):
+    # they do not depend on it, so their HBM latency overlaps its tail
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & (k_start + rk_chunk < k_end)[None, :], other=0.0,
+                eviction_policy="evict_first")
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    split_path: tl.constexpr = SPLITS > 1 or EPILOGUE == SILU  # partials and a ticket: the tail reads [splits] sums
+    MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
+    if PRESCALED:
+        dot_ptr = normed_ptr
+    else:
+        dot_ptr = x_ptr
+    if NORM and split_path:
+        squares = slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
+    else:
+        squares = 0.0
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w_ptrs += BLOCK_K
+        live_next = (k0 + BLOCK_K + rk_chunk) < k_end
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & live_next[None, :], other=0.0, eviction_policy="evict_first")
+        live = (k0 + rk_chunk) < k_end
+        x = tl.load(dot_ptr + k0 + rk, mask=live, other=0.0)  # [BK] fp16
+        if MUL_NORM:  # rounded to fp16, as the int4 GEMV's half2 multiply rounds it
+            x = x * tl.load(norm_ptr + k0 + rk, mask=live, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w_next
+    y = tl.sum(acc, axis=1)  # [BN]; with NORM, still to be scaled by 1 / rms(x)
+    if not split_path:  # the tile's whole sum is here: no partials, no ticket
+        if NORM:
+            y = y * inv_rms(x_ptr, K, eps, NORM_BLOCK)
+        one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
+                           EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM)
+    else:
+        split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
+                       out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
+                       qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM,
+                       SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM)
+
+
+@dataclass(frozen=True)
+class DenseGemvPlan:
+    """Tile and split-K of one dense GEMV launch: ``block_n`` output rows by ``block_k`` of K a step."""
+
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+
+
+ROWS_PER_THREAD = 4  # a tile's rows: every thread holds all of them, 8 weights of each a step (4 x 16 B in flight)
+WARPS = 4
+HEAD_TILE_WEIGHTS = 32  # weights a thread a step where a tile must hold whole heads (Qwen3's q/k norms)
+
+
+def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps_per_sm: int = 24) -> DenseGemvPlan:
+    """Column tile, K step and split-K. A tile is ``ROWS_PER_THREAD`` rows (a ROPE launch's: two rotary pairs),
+    each thread holding 8 contiguous weights of every row and the warps side by side along K: a K step is
+    8 x 32 x ``WARPS`` = 1,024 columns (capped at K's power of two), and x's slice of a step is one 16-byte load
+    a thread in the layout the products need. Tiles of rows across the warps made Triton pass x through shared
+    memory every step (two barriers a step, SASS, session 18). ``head_dim`` (a ROPE launch with Qwen3's q/k
+    norms, which normalize whole heads): the tile is a head, 8 warps, ``HEAD_TILE_WEIGHTS`` weights a thread a
+    step. The split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT`` and one K step a split. Not yet
+    timed on a GPU against cuBLAS (BENCHMARKS.md, issue 15, session 18)."""
+    if head_dim is not None:
+        block_n, warps = head_dim, 8
+        block_k = HEAD_TILE_WEIGHTS * 32 * warps // head_dim
+    else:
+        block_n, warps = ROWS_PER_THREAD, WARPS
+        block_k = 8 * 32 * warps
+    if interpreting():
+        return DenseGemvPlan(block_n, 32, max(1, min(2, cdiv(k, 32))), 1)
+    block_k = min(block_k, next_pow2(k))
+    split = max(1, min(cdiv(k, block_k), cdiv(warps_per_sm * sms, cdiv(n, block_n) * warps), MAX_SPLIT))
+    return DenseGemvPlan(block_n, block_k, split, warps)
+
+
+def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One fp16 row against an fp16 weight whose K is a multiple of 8 (the loop's masks are per 16 bytes)."""
+    return (x.dtype == torch.float16 and weight.dtype == torch.float16 and x.shape[0] == 1
+            and weight.shape[-1] % 8 == 0)
+
+
+def dense_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    normed: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    next_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    silu: bool = False,
+    rope: dict | None = None,
+    bias: torch.Tensor | None = None,
+    plan: DenseGemvPlan | None = None,
+) -> torch.Tensor:
+    """y = x @ weight^T for one row, with optional fused neighbours: x [1, K] fp16, weight [N, K] fp16 (rows
+    contiguous); the fusions are ``w4a16_gemv``'s (kernels/triton/w4a16_gemv.py) and return what it returns."""
+    k = x.shape[1]
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"dense_gemv: weight {tuple(weight.shape)} is not [N, {k}] with contiguous rows")
+    if not dense_gemv_supported(x, weight):
+        raise ValueError(f"dense_gemv: needs one fp16 row, an fp16 weight and K a multiple of 8 (x "
+                         f"{tuple(x.shape)} {x.dtype}, weight {weight.dtype})")
+    x = x.contiguous()
+    whole_heads = rope is not None and rope.get("q_norm") is not None  # else rope tiles are rotary pairs
+    plan = plan or dense_gemv_plan(n, k, num_sms(x.device), rope["head_dim"] if whole_heads else None)
+    k_per_split, splits = split_k(k, plan.block_k, plan.split)
+    launch = epilogue_launch("dense_gemv", x, weight, n, plan.block_n, k_per_split, splits, norm_weight=norm_weight,
+                             eps=eps, normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope,
+                             bias=bias, rope_pairs=not whole_heads)
+    _dense_gemv_kernel[(cdiv(n, plan.block_n), splits)](
+        x, weight, *launch.args, weight.stride(0), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        num_warps=plan.num_warps, **launch.constexprs,
+    )
+    return launch.out

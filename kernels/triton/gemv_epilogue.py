@@ -1,0 +1,317 @@
+"""The one-row GEMVs' shared tail: the RMSNorm prologue's 1 / rms, split-K partials and the fused epilogues.
+
+The decode layer's neighbours of a matmul (issue 15) are the same whatever the weight's format: the RMSNorm
+before it, and after it the residual add (o, down), silu(gate) * up (gate/up) or rotary + the KV-cache write
+(qkv). Each one-row GEMV kernel (w4a16_gemv.py for packed int4, dense_gemv.py for fp16) computes its column
+tile's product y [BLOCK_N] its own way and hands it to ``one_split_epilogue`` or ``split_epilogue`` here;
+``epilogue_launch`` makes the outputs and the arguments of that tail on the host, so both launchers pass the same
+pointers, scalars and constexprs in the same order (the kernels' parameters from ``out_ptr`` to ``qk_eps``).
+
+- Prologue ``NORM``: RMSNorm of the residual stream, so the norm is not a launch of its own. 1 / rms is a
+  scalar of the row: the kernel's dot multiplies x by the norm weight (or reads that product, PRESCALED); each
+  split program also sums the squares of its own slice of x, and the program that finishes a column tile (the
+  last split to arrive) reads those [splits] sums with the partials and scales the tile's sum (a lone program
+  without partials reduces the row itself), so the row is never reduced inside the loop or twice in a tail.
+- Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down; NEXT_NORM also
+  writes the new residual times the next norm's weight), ``SILU`` (gate and up tiles share one counter; the
+  last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the q and k columns, k and v written to their
+  KV-cache slot, q stored; a tile holds whole heads, so each rotary partner column's partial is summed by the
+  same program).
+- Split-K: each program stores its fp32 partial and the last to arrive for a column tile finishes it
+  (kernels/triton/split_k.py: no second kernel, no memset, CUDA-graph safe).
+
+Rounding follows kernels/reference.py: outputs of the matmul round to fp16 before the epilogue's arithmetic, as
+the unfused ops would see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.common import cdiv, next_pow2, pdl_supported
+from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm
+
+STORE: tl.constexpr = tl.constexpr(0)  # epilogues
+RESIDUAL: tl.constexpr = tl.constexpr(1)
+SILU: tl.constexpr = tl.constexpr(2)
+ROPE: tl.constexpr = tl.constexpr(3)
+MAX_SPLIT = 32  # the last program of a tile sums one partial per split: 64 put ~2 us on 4096x4096's tail
+
+
+@triton.jit
+def inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
+    # 1 / sqrt(mean(x^2) + eps) over the row x [K] in fp32, BLOCK >= K: unrolled chunks of 1024, so the loads are
+    # in flight together (one memory latency) while only a chunk's worth of registers is live at a time
+    CHUNK: tl.constexpr = 1024 if BLOCK > 1024 else BLOCK  # noqa: FURB136 (constexpr arithmetic in @jit)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for c in tl.static_range(BLOCK // CHUNK):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        v = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        acc += v * v
+    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
+def slice_squares(x_ptr, k_start, k_end, BLOCK: tl.constexpr):
+    # sum of x^2 over this split's slice x[k_start:k_end] in fp32, BLOCK >= k_end - k_start: a few elements a
+    # thread and one warp reduction, so the finishing program reads [splits] sums instead of the whole row
+    offs = k_start + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < k_end, other=0.0).to(tl.float32)
+    return tl.sum(v * v, axis=0)
+
+
+@triton.jit
+def _inv_rms_of_slices(squares_ptr, column, tiles, splits, K, eps, SPLITS: tl.constexpr):
+    # 1 / rms(x) from the splits' sums of squares of their slices, stored [splits, tiles] by a column tile's programs
+    sk = tl.arange(0, SPLITS)
+    part = tl.load(squares_ptr + sk * tiles + column, mask=sk < splits, other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(part, axis=0) / K + eps)
+
+
+@triton.jit
+def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr,
+                CHUNK: tl.constexpr, scale):
+    # sum over splits of the fp32 partials [splits, N] at cols, times scale (the RMSNorm prologue's 1 / rms, or
+    # 1) -> fp16-rounded fp32 [BN], plus the bias where the linear has one (rounded again: the unfused Linear
+    # adds it to the fp16 product in fp16). CHUNK splits' partials are loaded at once: one load per split put
+    # an L2 round trip per split on the critical path; the rotary epilogue sums two tiles (columns and their
+    # partners) 16 splits at a time, since 2 x 32 at once set the register count of the whole kernel (8B qkv
+    # 12.3 -> 9.8 us with chunks; o, one tile, was 5% slower in chunks)
+    sk = tl.arange(0, CHUNK)
+    if CHUNK == SPLITS:
+        tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
+                       other=0.0, cache_modifier=".cg")  # [SPLITS, BN]
+        total = tl.sum(tile, axis=0)
+    else:
+        total = tl.zeros(cols.shape, tl.float32)
+        for s0 in range(0, splits, CHUNK):
+            live = ((s0 + sk) < splits)[:, None] & mask[None, :]
+            tile = tl.load(part_ptr + (s0 + sk)[:, None] * N + cols[None, :], mask=live, other=0.0,
+                           cache_modifier=".cg")  # [CHUNK, BN]
+            total += tl.sum(tile, axis=0)
+    return _rounded(total * scale, cols, mask, bias_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _rounded(y, cols, mask, bias_ptr, HAS_BIAS: tl.constexpr):
+    # the product y [BN] (fp32) as the unfused op returns it: rounded to fp16, plus the bias rounded again
+    total = y.to(tl.float16).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (total + bias).to(tl.float16).to(tl.float32)
+    return total
+
+
+@triton.jit
+def _head_norm(t, weight, eps, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # RMSNorm of each head of the tile's columns t [BN] (fp16 values in fp32), as reference.rms_norm rounds it:
+    # weight * fp16(t / rms(head)), weight [BN] fp16
+    heads = tl.reshape(t * t, [BLOCK_N // HEAD_DIM, HEAD_DIM])
+    inv = 1.0 / tl.sqrt(tl.sum(heads, axis=1) / HEAD_DIM + eps)  # [heads in the tile]
+    inv_cols = tl.reshape(tl.broadcast_to(inv[:, None], [BLOCK_N // HEAD_DIM, HEAD_DIM]), [BLOCK_N])
+    return (weight * (t * inv_cols).to(tl.float16)).to(tl.float32)
+
+
+@triton.jit
+def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE: tl.constexpr,
+                   KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot. QK_NORM
+    # (Qwen3): each q and k head is RMS-normalized by q_norm / k_norm [HEAD_DIM] before rotary
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = rn % HEAD_DIM
+    first = d < HALF
+    partner = tl.where(first, rn + HALF, rn - HALF)
+    CHUNK: tl.constexpr = 16 if SPLITS > 16 else SPLITS  # noqa: FURB136 (constexpr arithmetic in @jit)
+    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
+    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
+    if QK_NORM:  # a tile holds whole heads, and a column's rotary partner is in its head
+        d_partner = partner % HEAD_DIM
+        in_q = rn < Q_SIZE
+        weight = tl.where(in_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d))
+        weight_partner = tl.where(in_q, tl.load(q_norm_ptr + d_partner), tl.load(k_norm_ptr + d_partner))
+        in_v = rn >= Q_SIZE + KV_SIZE  # v is not normalized (whole heads of v: the masks agree per head)
+        t = tl.where(in_v, t, _head_norm(t, weight, qk_eps, BLOCK_N, HEAD_DIM))
+        tp = tl.where(in_v, tp, _head_norm(tp, weight_partner, qk_eps, BLOCK_N, HEAD_DIM))
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d % HALF)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d % HALF)
+    rotated = tl.where(first, t * cos - tp * sin, t * cos + tp * sin)
+    is_q = rn < Q_SIZE
+    is_v = rn >= Q_SIZE + KV_SIZE
+    tl.store(out_ptr + rn, rotated.to(tl.float16), mask=n_mask & is_q)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    live = n_mask & ((slot + rn * 0) >= 0)  # a tensor mask: the interpreter mistypes scalar-bool & tensor
+    k_col = rn - Q_SIZE
+    v_col = rn - Q_SIZE - KV_SIZE
+    tl.store(k_cache_ptr + slot * KV_SIZE + k_col, rotated.to(tl.float16), mask=live & ~is_q & ~is_v)
+    tl.store(v_cache_ptr + slot * KV_SIZE + v_col, t.to(tl.float16), mask=live & is_v)
+
+
+@triton.jit
+def one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                       q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
+                       EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       NEXT_NORM: tl.constexpr):
+    # one split: the program holds its tile's whole product y [BN]. STORE / RESIDUAL finish from registers;
+    # ROPE needs each column's rotary partner, held by another thread of the program, so the tile goes through
+    # the partial buffer and a barrier (one L2 round trip, no ticket)
+    if EPILOGUE == ROPE:
+        tl.store(part_ptr + rn, y, mask=n_mask)
+        tl.debug_barrier()  # every thread's columns are stored before any partner is read
+        _rope_epilogue(part_ptr, rn, n_mask, 1, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                       v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, 1.0, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
+                       QK_NORM, BLOCK_N, HAS_BIAS)
+    else:
+        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr,
+                    EPILOGUE, NEXT_NORM)
+
+
+@triton.jit
+def _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE: tl.constexpr,
+                NEXT_NORM: tl.constexpr):
+    # STORE / RESIDUAL: the tile's fp16-rounded product total [BN] (fp32) stored, or added into the residual;
+    # NEXT_NORM (RESIDUAL): the new residual times the next RMSNorm's weight also stored, in fp16 (the product of
+    # two fp16 values is exact in fp32: one rounding, as the next GEMV's own half2 multiply would give)
+    if EPILOGUE == RESIDUAL:
+        total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    stored = total.to(tl.float16)
+    tl.store(out_ptr + rn, stored, mask=n_mask)
+    if NEXT_NORM:
+        weight = tl.load(next_norm_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(normed_out_ptr + rn, (stored.to(tl.float32) * weight).to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
+                   out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps,
+                   bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr,
+                   KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NEXT_NORM: tl.constexpr):
+    # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes.
+    # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x), taken
+    # from the sums of squares each split stored for its slice of x: the tail's loads (partials and [splits]
+    # sums) are then one L2 round trip, where reducing the whole row there was a second one after it
+    tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
+    num_tiles = tl.num_programs(0)
+    if NORM:
+        tl.store(squares_ptr + pid_k * num_tiles + pid_n, squares)
+    if EPILOGUE == SILU:
+        counter = pid_n % (num_tiles // 2)  # gate tile c and up tile c + tiles / 2 share one counter
+        arrivals = 2 * splits
+    else:
+        counter = pid_n
+        arrivals = splits
+    if last_to_arrive(lock_ptr, counter, arrivals):
+        if NORM:
+            scale = _inv_rms_of_slices(squares_ptr, pid_n, num_tiles, splits, K, eps, SPLITS)
+        else:
+            scale = 1.0
+        if EPILOGUE == SILU:
+            inter = N // 2
+            gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
+            live = gate_cols < inter
+            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
+            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
+            act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
+            tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
+        elif EPILOGUE == ROPE:
+            _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE, KV_SIZE, HEAD_DIM,
+                           SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
+        else:
+            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
+            _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE, NEXT_NORM)
+        rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
+
+
+def norm_block(k: int, k_per_split: int, splits: int, silu: bool) -> int:
+    """The NORM prologue's constexpr block: a split program sums the squares of its slice of x (``k_per_split``
+    rows); a lone program without partials (one split, not SILU) reduces the whole row."""
+    return next_pow2(k_per_split if splits > 1 or silu else k)
+
+
+def check_prescaled(name: str, x: torch.Tensor, norm_weight, normed, residual, next_norm, n: int) -> None:
+    """``normed`` goes with a norm weight and has x's shape; ``next_norm`` goes with a residual, its weight and
+    output N wide; both fp16 and contiguous (the kernel reads and writes them as flat rows)."""
+    if normed is not None and (norm_weight is None or normed.shape != x.shape or normed.dtype != x.dtype
+                               or not normed.is_contiguous()):
+        raise ValueError(f"{name}: normed {tuple(normed.shape)} needs norm_weight and x's shape "
+                         f"{tuple(x.shape)}, dtype and a contiguous layout")
+    if next_norm is not None:
+        weight, out = next_norm
+        if (residual is None or weight.shape != (n,) or out.shape != (1, n) or out.dtype != x.dtype
+                or not out.is_contiguous()):
+            raise ValueError(f"{name}: next_norm needs a residual, a weight [{n}] and a contiguous "
+                             f"fp16 output [1, {n}]")
+
+
+@dataclass(frozen=True)
+class EpilogueLaunch:
+    """What a one-row GEMV launch returns (``out``) and the shared tail's arguments: ``args`` the kernel's
+    parameters from ``out_ptr`` to ``qk_eps`` in order, ``constexprs`` its epilogue's compile-time values and
+    the launch options (PDL) that go with them."""
+
+    out: torch.Tensor
+    args: tuple
+    constexprs: dict
+
+
+def epilogue_launch(name: str, x: torch.Tensor, owner: torch.Tensor, n: int, block_n: int, k_per_split: int,
+                    splits: int, *, norm_weight: torch.Tensor | None, eps: float, normed: torch.Tensor | None,
+                    residual: torch.Tensor | None, next_norm: tuple[torch.Tensor, torch.Tensor] | None, silu: bool,
+                    rope: dict | None, bias: torch.Tensor | None, rope_pairs: bool = False) -> EpilogueLaunch:
+    """The outputs, scratch and arguments of a launch of ``n`` columns in ``block_n`` tiles over ``splits``
+    splits of ``k_per_split`` rows of x [1, K]; ``owner`` (the weight) keeps the split-K counters and stands in
+    for absent pointers. The fusions are the launchers' keyword arguments (``w4a16_gemv``); ``name`` prefixes
+    the errors. A ROPE tile holds whole heads, or with ``rope_pairs`` whole rotary pairs (columns d and
+    d + head_dim / 2 of a head: the kernel maps its rows so; not with Qwen3's per-head norms)."""
+    k = x.shape[1]
+    check_prescaled(name, x, norm_weight, normed, residual, next_norm, n)
+    tiles = cdiv(n, block_n)
+    if block_n & (block_n - 1):
+        raise ValueError(f"{name}: column tile {block_n} is not a power of two")
+    head_dim = rope["head_dim"] if rope is not None else None
+    epilogue, extra = STORE.value, {}
+    if residual is not None:
+        epilogue, out = RESIDUAL.value, residual
+    elif silu:
+        if n % (2 * block_n):
+            raise ValueError(f"{name}: silu needs gate and up widths ({n // 2}) in whole {block_n}-tiles")
+        epilogue, out = SILU.value, torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
+    elif rope is not None:
+        if head_dim & (head_dim - 1) or n % head_dim:
+            raise ValueError(f"{name}: rope needs a power-of-two head size ({head_dim}) and whole heads ({n})")
+        if rope_pairs and (block_n % 2 or rope.get("q_norm") is not None):
+            raise ValueError(f"{name}: rope tiles of rotary pairs need an even tile ({block_n}) and no q/k norms")
+        if not rope_pairs and block_n % head_dim:
+            raise ValueError(f"{name}: rope tiles ({block_n}) must hold whole heads ({head_dim})")
+        epilogue, out = ROPE.value, torch.empty((1, rope["q_size"]), dtype=x.dtype, device=x.device)
+        extra = rope
+    else:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    scratch = torch.empty((splits * (n + tiles),), dtype=torch.float32, device=x.device)
+    part, squares = scratch[: splits * n].view(splits, n), scratch[splits * n:]  # [splits, N], [splits, tiles]
+    lock = lock_buffer(owner, tiles, reuse=True, min_tiles=cdiv(n, 16))  # (a dense owner is [N, K])
+    arrivals = splits * (2 if epilogue == SILU.value else 1)
+    pointers = (norm_weight, extra.get("cos_sin_cache"), extra.get("positions"), extra.get("slot_mapping"),
+                extra.get("k_cache"), extra.get("v_cache"), extra.get("q_norm"), extra.get("k_norm"), bias, normed,
+                *(next_norm if next_norm is not None else (None, None)))
+    args = (out, part, squares, lock, *(owner if p is None else p for p in pointers), n, k, k_per_split, splits,
+            LOCK_PERIOD.value - arrivals, float(eps), float(extra.get("eps", 0.0)))
+    pdl = pdl_supported(x.device)
+    constexprs = {
+        "NORM": norm_weight is not None, "EPILOGUE": epilogue, "USE_PDL": pdl, "Q_SIZE": extra.get("q_size", 0),
+        "KV_SIZE": extra.get("kv_size", 0), "HEAD_DIM": head_dim or 1, "QK_NORM": extra.get("q_norm") is not None,
+        "HAS_BIAS": bias is not None, "SPLITS": next_pow2(splits),
+        "NORM_BLOCK": norm_block(k, k_per_split, splits, epilogue == SILU.value) if norm_weight is not None else 1,
+        "PRESCALED": normed is not None, "NEXT_NORM": next_norm is not None,
+        **({"launch_pdl": True} if pdl else {}),
+    }
+    return EpilogueLaunch(out, args, constexprs)
