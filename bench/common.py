@@ -46,8 +46,10 @@ PEER_LLAMACPP_BS1 = {  # batch-1 decode (llama-bench tg128), tok/s, 2026-12-02
     "smollm2-135m": 916.7,  # Q4_1
     "llama2-7b": 348.5,  # Q4_0
     "llama3-8b": 340.1,  # Q4_0
+    "llama2-7b-fp16": 220.5,  # F16, 2026-11-30 (../shared/peers/README.md)
 }
-LLAMACPP_BENCH_SHAPES = {"smol": "smollm2-135m", "l7b": "llama2-7b", "l8b": "llama3-8b"}  # llamacpp_bench.sh's
+LLAMACPP_BENCH_SHAPES = {"smol": "smollm2-135m", "l7b": "llama2-7b", "l8b": "llama3-8b",  # llamacpp_bench.sh's
+                         "l7b-f16": "llama2-7b-fp16"}  # and bench/llamacpp_fp16.sh's headings
 PEER_LLAMACPP_128 = {  # generated tok/s over the whole run, 128 x (128 + 128), Q4_0 (recorded, same H200)
     "llama2-7b": 3954.0,  # 2026-11-30 (decode-only S_TG: 5,946)
     "llama3-8b": 4280.0,  # 2026-12-01, llama-batched-bench b128

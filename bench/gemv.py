@@ -5,6 +5,9 @@ from ``.peers``, see ../shared/peers/README.md). Each op is timed as CUDA-graph 
 to exceed the L2 (bench/kernels.py's ``bench_graph``), so weights come from HBM and launch overhead is the
 in-graph one the engine pays. Bytes counted: packed weights, scales and zeros (fp16), x and y.
 ``--sweep`` times tile / split / warp variants of our kernel per shape (the basis of ``gemv_plan``).
+``--dense`` times the fp16 GEMV (kernels/triton/dense_gemv.py) against cuBLAS's one-row matmul on the fp16
+7B layer, the LM heads and SmolLM2, with its plan variants (the basis of ``dense_gemv_plan``), into
+``--out`` (default kernels_gemv_dense.json).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kernels import bench_graph, copy_bandwidth, random_int4, sets_for
 from kernels.triton import w4a16 as w4a16_mod
-from kernels.triton.common import num_sms
+from kernels.triton.common import next_pow2, num_sms
+from kernels.triton.dense_gemv import DenseGemvPlan, dense_gemv, dense_gemv_plan
 from kernels.triton.w4a16_gemv import LARGE_MATRIX_REGISTERS, SMALL_MATRIX, GemvPlan, gemv_plan, w4a16_gemv
 
 DEV = "cuda"
@@ -188,15 +192,85 @@ def time_fusions() -> None:
         print("no register report:", exc)
 
 
+DENSE_SHAPES = {  # N x K of a Linear's fp16 weight: the fp16 7B layer (issue 15's fp16 target), heads, SmolLM2
+    "7B qkv 12288x4096": (12288, 4096),
+    "7B o 4096x4096": (4096, 4096),
+    "7B gate/up 22016x4096": (22016, 4096),
+    "7B down 4096x11008": (4096, 11008),
+    "7B head 32000x4096": (32000, 4096),
+    "8B head 128256x4096": (128256, 4096),
+    "SmolLM2 qkv 960x576": (960, 576),
+    "SmolLM2 gate/up 3072x576": (3072, 576),
+    "SmolLM2 down 576x1536": (576, 1536),
+    "SmolLM2 head 49152x576": (49152, 576),
+}
+
+
+def dense_plan_variants(n: int, k: int, sms: int):
+    """Rows a thread, warps along K and the split (the rule's, one, and half or twice its grid): the basis of
+    ``dense_gemv_plan``."""
+    seen = set()
+    for rows, warps in itertools.product((2, 4, 8), (2, 4, 8)):
+        block_k = min(256 * warps, next_pow2(k))
+        steps = -(-k // block_k)
+        rule = dense_gemv_plan(n, k, sms).split
+        for split in (1, rule, max(1, rule // 2), min(steps, 2 * rule), min(steps, 4)):
+            plan = DenseGemvPlan(rows, block_k, max(1, min(split, steps)), warps)
+            if plan not in seen:
+                seen.add(plan)
+                yield plan
+
+
+def bench_dense(args, copy_bw: float, sms: int) -> None:
+    """The dense GEMV plain (STORE) against cuBLAS's F.linear, each over weights rotating past the L2; with
+    ``--sweep``, its plan variants too."""
+    rows = []
+    for label, (n, k) in DENSE_SHAPES.items():
+        if args.only and not any(part in label for part in args.only.split(",")):
+            continue
+        nbytes = 2 * n * k + 2 * k + 2 * n
+        weights = [torch.randn(n, k, dtype=torch.float16, device=DEV) / k**0.5 for _ in range(sets_for(nbytes))]
+        x = torch.randn(1, k, dtype=torch.float16, device=DEV)
+        ours = bench_graph([partial(dense_gemv, x, w) for w in weights]) * 1e3
+        cublas = bench_graph([partial(torch.nn.functional.linear, x, w) for w in weights]) * 1e3
+        error = ((dense_gemv(x, weights[0]).float() - x.float() @ weights[0].float().t()).norm()
+                 / (x.float() @ weights[0].float().t()).norm()).item()
+        row = {"shape": label, "plan": str(dense_gemv_plan(n, k, sms)), "ours_us": round(ours, 2),
+               "cublas_us": round(cublas, 2), "x_cublas": round(cublas / ours, 3),
+               "ours_x_copy_bw": round(nbytes / (ours * 1e-6) / 1e9 / copy_bw, 3),
+               "cublas_x_copy_bw": round(nbytes / (cublas * 1e-6) / 1e9 / copy_bw, 3), "rel_error": error}
+        if args.sweep:
+            timed = sorted((bench_graph([partial(dense_gemv, x, w, plan=plan) for w in weights]) * 1e3, str(plan))
+                           for plan in dense_plan_variants(n, k, sms))
+            row["sweep"] = [{"us": round(t, 2), "plan": plan} for t, plan in timed[:6]]
+            row["sweep_best_x_copy_bw"] = round(nbytes / (timed[0][0] * 1e-6) / 1e9 / copy_bw, 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
+           "dense": rows}
+    out = Path(args.out or "bench/results/kernels_gemv_dense.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/kernels_gemv.json")
+    parser.add_argument("--out", default=None, help="default bench/results/kernels_gemv.json (--dense: "
+                                                    "kernels_gemv_dense.json)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated substrings of the shape names to run")
     parser.add_argument("--fusions", action="store_true", help="only time the fused variants on 7B shapes")
+    parser.add_argument("--dense", action="store_true", help="the fp16 GEMV against cuBLAS instead")
     args = parser.parse_args()
     if args.fusions:
         time_fusions()
+        return
+    if args.dense:
+        torch.manual_seed(0)
+        bench_dense(args, copy_bandwidth(), num_sms(torch.device(DEV)))
         return
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -249,8 +323,9 @@ def main() -> None:
     doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
            "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
            "results": results, "shapes": rows, "sweep": sweeps}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    out = Path(args.out or "bench/results/kernels_gemv.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
     for r in results:
         print(f"{r['name']:<70} {r['value']} {r['target']} {r['pass']}")
 

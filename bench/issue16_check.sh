@@ -18,7 +18,7 @@
 #              card's fastest go to $OUT/w4a16_mma.json (copy it over kernels/triton/tuned/w4a16_mma.json)
 # Writes the benches' JSON files and issue16_check.log (every step's whole output) into $OUT (or bench/results).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-bench/results}
 PY=${PYTHON:-python3}
 MODELS=${PAGODA_BENCH_MODELS:-/tmp/pagoda-bench}

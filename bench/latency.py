@@ -15,9 +15,15 @@ checkpoint format (AWQ: int4 codes + fp16 scales + 4-bit zeros per group; fp16: 
 LM head, one embedding row, and the K and V of the mean context length of the timed steps; the copy bandwidth
 is measured in the same run (a device-to-device copy, bytes read + written).
 
-Against llama.cpp: ``--llamacpp FILE`` takes the output of ``.peers/llamacpp_bench.sh`` from the same device run
-(llama-bench's tg128, batch-1 decode) as the peer of the ratio targets; without it the recorded figures of
-bench/common.py stand in and the rows say so.
+Against llama.cpp: ``--llamacpp FILE`` takes the output of ``.peers/llamacpp_bench.sh`` (and of
+bench/llamacpp_fp16.sh for the fp16 7B) from the same device run (llama-bench's tg128, batch-1 decode) as the
+peer of the ratio targets; without it the recorded figures of bench/common.py stand in and the rows say so.
+
+Streaming (section ``stream``, on the 7B AWQ model): after the offline engine is released, ``app.py serve``
+starts on the same model with the same flags and one client at a time streams a completion of the same lengths
+(SSE, as bench/serving.py sends it); its decode rate is ``(tokens - 1) / (E2E - TTFT)``, medians of
+``--repeats`` after a warm-up, and the target is that rate over the offline one (issue 15: the server keeps
+>= 95% of it).
 
 Prefix caching: a warm engine, one request at a time, ``--prefix-len`` shared tokens + ``--suffix-len`` fresh
 ones, 1 output token. TTFT on a miss (a prefix never seen) and on a hit (the same prefix again, a different
@@ -48,6 +54,7 @@ from bench.common import (
     at_least,
     at_least_or_info,
     copy_bandwidth,
+    engine_cli_flags,
     engine_kwargs,
     info,
     model_for,
@@ -74,11 +81,28 @@ class DecodeTarget:
     x_llamacpp: float | None = None
 
 
-MODELS = {  # shape: (its decode targets, whether the prefix test runs on it)
-    "smollm2-135m": (DecodeTarget("Q4_1", tok_s=1400, x_llamacpp=1.48), False),
-    "llama2-7b": (DecodeTarget("Q4_0", roofline=0.50, x_llamacpp=1.6), True),
-    "llama3-8b": (DecodeTarget("Q4_0", x_llamacpp=1.5), False),
-    "qwen3-8b": (DecodeTarget("Q4_0"), False),  # issue 18: next to the Llama-3-8B shape
+@dataclass(frozen=True)
+class DecodeModel:
+    """A model the bench times: its shape (bench/random_model.py), quantization and targets."""
+
+    shape: str
+    quant: str  # "awq" or "fp16"
+    target: DecodeTarget
+    prefix: bool = False  # the prefix-cache section runs on it
+    streamed: float | None = None  # the target of its rate streamed through app.py serve / the offline one
+
+    @property
+    def quant_label(self) -> str:
+        return "AWQ" if self.quant == "awq" else "fp16"
+
+
+MODELS = {  # the --models names (llama.cpp's same-run figures are read under these names too)
+    "smollm2-135m": DecodeModel("smollm2-135m", "awq", DecodeTarget("Q4_1", tok_s=1400, x_llamacpp=1.48)),
+    "llama2-7b": DecodeModel("llama2-7b", "awq", DecodeTarget("Q4_0", roofline=0.50, x_llamacpp=1.6), prefix=True,
+                             streamed=0.95),
+    "llama2-7b-fp16": DecodeModel("llama2-7b", "fp16", DecodeTarget("F16", roofline=0.80)),
+    "llama3-8b": DecodeModel("llama3-8b", "awq", DecodeTarget("Q4_0", x_llamacpp=1.5)),
+    "qwen3-8b": DecodeModel("qwen3-8b", "awq", DecodeTarget("Q4_0")),  # issue 18: next to the Llama-3-8B shape
 }
 
 
@@ -139,15 +163,20 @@ def decode_timing(llm, args, vocab: int, rng: random.Random) -> DecodeTiming:
     return DecodeTiming(1.0 / step, step, first)
 
 
-def llamacpp_peer(args, shape: str) -> tuple[str, float | None]:
-    """(label, batch-1 tok/s) of llama.cpp on this shape: from ``--llamacpp`` (the same device run) when given,
+def llamacpp_peer(args, name: str) -> tuple[str, float | None]:
+    """(label, batch-1 tok/s) of llama.cpp on this model: from ``--llamacpp`` (the same device run) when given,
     else the recorded figure."""
     if args.llamacpp:
-        return LLAMACPP_SAME_RUN, read_llamacpp_tg(Path(args.llamacpp)).get(shape)
-    return LLAMACPP, PEER_LLAMACPP_BS1.get(shape)
+        return LLAMACPP_SAME_RUN, read_llamacpp_tg(Path(args.llamacpp)).get(name)
+    return LLAMACPP, PEER_LLAMACPP_BS1.get(name)
 
 
-def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, base_shape: str, copy_bw: float) -> None:
+def decode_label(args, shape: str, model: DecodeModel) -> str:
+    return f"{shape} {model.quant_label} batch 1 (prompt {args.prompt_len}, {args.output_len} tokens)"
+
+
+def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, name: str, copy_bw: float) -> float:
+    """The batch-1 rows of model ``name``; returns its decode rate (tok/s)."""
     args = run.args
     cfg = model_config(model_dir)
     dense = 2 if args.device != "cpu" else 4
@@ -156,9 +185,10 @@ def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, base_shape: st
     weights = weight_bytes_per_step(cfg, dense)
     step_bytes = weights + kv_bytes_per_token(cfg, dense) * mean_context
     fraction = step_bytes / timing.step_s / 1e9 / copy_bw
-    label = f"{shape} AWQ batch 1 (prompt {args.prompt_len}, {args.output_len} tokens)"
-    target = MODELS[base_shape][0]
-    peer, peer_rate = llamacpp_peer(args, base_shape)
+    model = MODELS[name]
+    label = decode_label(args, shape, model)
+    target = model.target
+    peer, peer_rate = llamacpp_peer(args, name)
     if args.shape:  # another shape stands in (CPU checks): llama.cpp's figure is not for it
         peer_rate = None
     peer = f"{peer}, {target.peer_quant}"
@@ -173,6 +203,44 @@ def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, base_shape: st
             info(f"{label}: bytes read per step (checkpoint format, weights + KV)", step_bytes / 1e9, "GB"),
             info(f"{label}: engine's resident weights (incl. embedding table)", engine_weights / 1e9, "GB"),
             info(f"{label}: prefill + first token", timing.first_token_s * 1e3, "ms"))
+    return rate
+
+
+def bench_streamed(run: BenchRun, model_dir: Path, shape: str, name: str, offline_rate: float) -> None:
+    """One client at a time streams completions of the decode timing's lengths from ``app.py serve`` on the
+    same model and flags (the offline engine released first); the target is the streamed rate / the offline."""
+    from bench.serving import free_port, running_server, server_command
+
+    args = run.args
+    model = MODELS[name]
+    vocab = model_config(model_dir)["vocab_size"]
+    rng = random.Random(args.seed + 2)
+    cmd = server_command(model_dir, free_port(), engine_cli_flags(engine_kwargs(args)))
+    with running_server(cmd, timeout=600) as (url, _, _):
+        rates = [streamed_rate(url, random_tokens(rng, vocab, args.prompt_len), args.output_len)
+                 for _ in range(args.repeats + 1)][1:]  # the first is the warm-up
+    rate = statistics.median(rates)
+    label = f"{decode_label(args, shape, model)}, streamed through app.py serve"
+    run.add(at_least_or_info(f"{label} / offline", rate / offline_rate, "x", model.streamed),
+            info(f"{label}: decode", rate, "tok/s"))
+
+
+def streamed_rate(url: str, prompt: list[int], output_len: int) -> float:
+    """Decode tok/s of one streamed completion: (tokens - 1) / (E2E - time to the first text)."""
+    import asyncio
+
+    import httpx
+
+    from bench.serving import one_request
+
+    async def once():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60.0)) as client:
+            return await one_request(client, url, prompt, output_len, None)
+
+    result = asyncio.run(once())
+    if not result.ok:
+        raise RuntimeError(f"streamed completion failed: {result.error}")
+    return (result.output_tokens - 1) / (result.e2e - result.ttft)
 
 
 def bench_prefix(run: BenchRun, llm, model_dir: Path, shape: str) -> None:
@@ -199,33 +267,37 @@ def bench_prefix(run: BenchRun, llm, model_dir: Path, shape: str) -> None:
             info(f"{label}: prompt tokens served from the prefix cache on a hit", min(cached), "tokens"))
 
 
-DEFAULT_MODELS = ("smollm2-135m", "llama2-7b")
+DEFAULT_MODELS = ("smollm2-135m", "llama2-7b", "llama2-7b-fp16")
 
 
-def bench_model(run: BenchRun, base_shape: str, copy_bw: float, sections: set[str]) -> None:
-    """Load one AWQ model and run its sections on it."""
+def bench_model(run: BenchRun, name: str, copy_bw: float, sections: set[str]) -> None:
+    """Load one model, run its sections on it; the streamed section after the offline engine is released."""
     from engine import LLM
 
     args = run.args
-    with_prefix = MODELS[base_shape][1]
-    shape = shape_label(args, base_shape)
-    llm = None
-    with run.section(f"{shape} AWQ: build and load"):
-        model_dir = model_for(args, base_shape, "awq")
+    model = MODELS[name]
+    shape = shape_label(args, model.shape)
+    llm, rate = None, None
+    with run.section(f"{shape} {model.quant_label}: build and load"):
+        model_dir = model_for(args, model.shape, model.quant)
         llm = LLM(str(model_dir), **engine_kwargs(args))
-        group = model_config(model_dir)["quantization_config"]["group_size"]
-        run.add(info(f"{shape} AWQ group size", group, "weights"))
+        config = model_config(model_dir)
+        if model.quant == "awq":
+            run.add(info(f"{shape} AWQ group size", config["quantization_config"]["group_size"], "weights"))
     if llm is None:
         return
     if "decode" in sections:
-        with run.section(f"{shape} AWQ: batch-1 decode"):
-            bench_decode(run, llm, model_dir, shape, base_shape, copy_bw)
-    if with_prefix and "prefix" in sections:
-        with run.section(f"{shape} AWQ: prefix cache TTFT"):
+        with run.section(f"{shape} {model.quant_label}: batch-1 decode"):
+            rate = bench_decode(run, llm, model_dir, shape, name, copy_bw)
+    if model.prefix and "prefix" in sections:
+        with run.section(f"{shape} {model.quant_label}: prefix cache TTFT"):
             bench_prefix(run, llm, model_dir, shape)
     llm.engine.release()
     del llm
     gc.collect()
+    if model.streamed is not None and "stream" in sections and rate is not None:
+        with run.section(f"{shape} {model.quant_label}: streamed through app.py serve"):
+            bench_streamed(run, model_dir, shape, name, rate)
 
 
 def main() -> None:
@@ -238,7 +310,8 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=2000)
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--prefix-trials", type=int, default=5)
-    parser.add_argument("--only", default="decode,prefix", help="comma-separated: decode, prefix")
+    parser.add_argument("--only", default="decode,prefix,stream",
+                        help="comma-separated: decode, prefix, stream (needs decode)")
     parser.add_argument("--llamacpp", default=None,
                         help="output of .peers/llamacpp_bench.sh from the same device run (the ratio targets' peer)")
     parser.add_argument("--copy-bandwidth", type=float, default=None, help=argparse.SUPPRESS)  # from the parent
@@ -253,8 +326,8 @@ def main() -> None:
     if len(models) > 1 and not args.in_process:
         run.run_isolated("--models", models, "--copy-bandwidth", str(copy_bw))
     else:
-        for base_shape in models:
-            bench_model(run, base_shape, copy_bw, set(args.only.split(",")))
+        for name in models:
+            bench_model(run, name, copy_bw, set(args.only.split(",")))
     run.finish()
 
 

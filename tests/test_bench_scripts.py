@@ -85,12 +85,15 @@ def test_random_model_builds_are_cached_and_complete(models_dir):
 
 def test_latency_bench_writes_its_targets(models_dir, tmp_path):
     doc = run_bench("latency", models_dir, tmp_path / "latency.json", "--output-len", "12", "--repeats", "1",
-                    "--prefix-len", "512", "--prefix-trials", "1", "--in-process")
+                    "--prefix-len", "512", "--prefix-trials", "1", "--in-process", timeout=240)
     targets = check_schema(doc, "latency")
-    assert len(targets) == 3
+    assert len(targets) == 5
     assert find(targets, "smollm2-135m", "decode")["unit"] == "tok/s"
-    assert 0 < find(targets, "llama2-7b", "roofline")["value"] < 2
+    assert 0 < find(targets, "llama2-7b) AWQ", "roofline")["value"] < 2
+    assert 0 < find(targets, "llama2-7b) fp16", "roofline")["value"] < 2
     assert find(targets, "TTFT miss / TTFT hit")["value"] > 0
+    streamed = find(targets, "streamed through app.py serve / offline")  # a server on the same model, streaming
+    assert streamed["target"] == ">= 0.95" and streamed["value"] > 0
     # the hit really came from the prefix cache: every full 16-token block of the 512-token prefix
     assert find(doc["results"], "served from the prefix cache")["value"] >= 512 - 16
 

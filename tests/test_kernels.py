@@ -247,6 +247,38 @@ def test_gpu_w4a16_gemv_rope_and_cache(k, n, head_dim, group_size, fusion, bias)
     _cases().check_w4a16_gemv("cuda", k, n, group_size, False, fusion, head_dim=head_dim, bias=bias)
 
 
+DENSE_GEMV_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096), (4096, 32000), (4096, 128256),
+                     (576, 960), (1536, 576), (576, 49152), (4096, 4098)]  # K x N; N = 4098: a half-empty edge tile
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n", DENSE_GEMV_SHAPES)
+def test_gpu_dense_gemv_shapes(k, n):
+    # the fp16 GEMV of the fused layer (fp16 models) and of every model's LM head, at the plans the engine launches
+    _cases().check_dense_gemv("cuda", k, n, "plain")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fusion", ["norm", "residual", "silu", "norm+silu", "prescaled-norm", "prescaled-norm+silu",
+                                    "residual+next-norm"])
+@pytest.mark.parametrize("k,n", [(4096, 22016), (576, 3072), (11008, 4096)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_dense_gemv_fusions(fusion, k, n, bias):
+    _cases().check_dense_gemv("cuda", k, n, fusion, bias=bias)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n,head_dim", [(4096, 8192, 128), (576, 1024, 64)])
+@pytest.mark.parametrize("fusion", ["rope", "rope+qk-norm", "prescaled-norm+rope"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_dense_gemv_rope_and_cache(k, n, head_dim, fusion, bias):
+    # rotary tiles of row pairs; with Qwen3's q/k norms, of whole heads
+    _cases().check_dense_gemv("cuda", k, n, fusion, head_dim=head_dim, bias=bias)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("window", [1, 100, 4096])
