@@ -19,6 +19,9 @@ Against llama.cpp: ``--llamacpp FILE`` takes the output of ``.peers/llamacpp_ben
 bench/llamacpp_fp16.sh for the fp16 7B) from the same device run (llama-bench's tg128, batch-1 decode) as the
 peer of the ratio targets; without it the recorded figures of bench/common.py stand in and the rows say so.
 
+Kernels a decode step (GPU only): CUPTI's kernel records over a generation 16 tokens longer than another, per
+token and per layer (issue 15 asks for launches per layer before and after the fused layer).
+
 Streaming (section ``stream``, on the 7B AWQ model): after the offline engine is released, ``app.py serve``
 starts on the same model with the same flags and one client at a time streams a completion of the same lengths
 (SSE, as bench/serving.py sends it); its decode rate is ``(tokens - 1) / (E2E - TTFT)``, medians of
@@ -163,6 +166,23 @@ def decode_timing(llm, args, vocab: int, rng: random.Random) -> DecodeTiming:
     return DecodeTiming(1.0 / step, step, first)
 
 
+def kernels_per_step(llm, args, vocab: int, rng: random.Random, steps: int = 16) -> float:
+    """GPU kernels a batch-1 decode step runs (issue 15: launches per layer, the fused layer's five against the
+    unfused ten): kernels CUPTI records (those inside graph replays too) over a generation of ``steps`` more
+    tokens than another's, per token; copies and memsets are not counted."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(tokens: int) -> int:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate_once(llm, random_tokens(rng, vocab, args.prompt_len), tokens)
+            torch.cuda.synchronize()
+        return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA
+                   and not event.name.startswith(("Memcpy", "Memset")))
+
+    return (kernels(2 + steps) - kernels(2)) / steps
+
+
 def llamacpp_peer(args, name: str) -> tuple[str, float | None]:
     """(label, batch-1 tok/s) of llama.cpp on this model: from ``--llamacpp`` (the same device run) when given,
     else the recorded figure."""
@@ -204,6 +224,15 @@ def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, name: str, cop
             info(f"{label}: engine's resident weights (incl. embedding table)", engine_weights / 1e9, "GB"),
             info(f"{label}: prefill + first token", timing.first_token_s * 1e3, "ms"))
     return rate
+
+
+def bench_kernel_count(run: BenchRun, llm, model_dir: Path, shape: str, name: str) -> None:
+    args = run.args
+    cfg = model_config(model_dir)
+    per_step = kernels_per_step(llm, args, cfg["vocab_size"], random.Random(args.seed + 3))
+    label = decode_label(args, shape, MODELS[name])
+    run.add(info(f"{label}: GPU kernels a decode step", per_step, "kernels"),
+            info(f"{label}: GPU kernels a decode step / layer", per_step / cfg["num_hidden_layers"], "kernels"))
 
 
 def bench_streamed(run: BenchRun, model_dir: Path, shape: str, name: str, offline_rate: float) -> None:
@@ -289,6 +318,9 @@ def bench_model(run: BenchRun, name: str, copy_bw: float, sections: set[str]) ->
     if "decode" in sections:
         with run.section(f"{shape} {model.quant_label}: batch-1 decode"):
             rate = bench_decode(run, llm, model_dir, shape, name, copy_bw)
+        if torch.device(args.device).type == "cuda":  # (CUPTI's kernel records)
+            with run.section(f"{shape} {model.quant_label}: kernels a decode step"):
+                bench_kernel_count(run, llm, model_dir, shape, name)
     if model.prefix and "prefix" in sections:
         with run.section(f"{shape} {model.quant_label}: prefix cache TTFT"):
             bench_prefix(run, llm, model_dir, shape)

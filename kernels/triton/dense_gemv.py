@@ -10,13 +10,16 @@ write), so an fp16 model's layer is the same five launches as an int4 one's, and
 LM head's launch.
 
 - The weight is the Linear's own [N, K] (out, in), read in place: a program's tile is ``BLOCK_N`` output rows
-  by ``BLOCK_K`` of K, each thread loading 16 contiguous bytes (8 weights) of a row at a time. The products
-  accumulate elementwise in fp32 [BLOCK_N, BLOCK_K] (fp16 x fp16 is exact in fp32) and K is reduced once,
-  after the loop.
-- A 16-byte load of fp16 weights takes ~2 instructions a weight to consume, against ~20 a 4-byte word of int4
-  (w4a16_gemv.py), so this loop is bound by memory latency, not issue: what it needs is bytes in flight. Each
-  program loads its next K step while it multiplies this one, and the grid is sized to ~24 warps an SM with
-  split-K (``dense_gemv_plan``).
+  by ``BLOCK_K`` of K, each thread loading 16 contiguous bytes (8 weights) of every row of the tile a step, the
+  warps side by side along K, so x's slice of a step is one 16-byte load a thread already in the products'
+  layout. The products accumulate elementwise in fp32 [BLOCK_N, BLOCK_K] (fp16 x fp16 is exact in fp32) and K
+  is reduced once, after the loop.
+- The loop takes ~4.5 SASS instructions a weight (144 for a thread's 32 a step), about a third of an SM's issue
+  rate at the H200's bandwidth, against ~20 a 4-byte word of int4 (w4a16_gemv.py), so it is bound by memory
+  latency, not issue: what it needs is bytes in flight. Each program loads its next K step while it multiplies
+  this one, and the grid is sized to ~24 warps an SM with split-K (``dense_gemv_plan``).
+- A rotary tile holds whole rotary pairs (rows d and d + head_dim / 2 of a head), all the tail's ROPE epilogue
+  needs; with Qwen3's per-head q/k norms it holds a whole head.
 - With the RMSNorm prologue the dot reads x times the norm weight (formed here in fp16, or read as the previous
   launch's ``normed``), and the tail scales the sum by 1 / rms, as the int4 GEMV does.
 """
