@@ -231,6 +231,45 @@ def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn
         rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
 
 
+@triton.jit
+def dot_input(x_ptr, normed_ptr, k_start, k_end, NORM: tl.constexpr, PRESCALED: tl.constexpr, EPILOGUE: tl.constexpr,
+              SPLITS: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    # the row a GEMV's dot reads (x; PRESCALED: x * norm weight, as the previous launch's NEXT_NORM wrote it) and,
+    # for a NORM launch that finishes through partials, the sum of squares of this split's slice of x
+    if PRESCALED:
+        dot_ptr = normed_ptr
+    else:
+        dot_ptr = x_ptr
+    if NORM and (SPLITS > 1 or EPILOGUE == SILU):
+        squares = slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
+    else:
+        squares = 0.0
+    return dot_ptr, squares
+
+
+@triton.jit
+def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr,
+                slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr,
+                rn, n_mask, N, K, splits, lock_rest, eps, qk_eps, NORM: tl.constexpr, EPILOGUE: tl.constexpr,
+                Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, NORM_BLOCK: tl.constexpr, NEXT_NORM: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    # a GEMV program's product of its column tile, y [BN] (with NORM, of (weight * x) . W: still to be scaled
+    # by 1 / rms), finished: in registers when the tile's whole sum is here (one split, not SILU), else through
+    # the partials and the ticket (``squares``: this split's sum of squares of x, from ``dot_input``)
+    if SPLITS == 1 and EPILOGUE != SILU:
+        if NORM:
+            y = y * inv_rms(x_ptr, K, eps, NORM_BLOCK)
+        one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
+                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
+                           EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM)
+    else:
+        split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
+                       out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
+                       qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM,
+                       SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM)
+
+
 def norm_block(k: int, k_per_split: int, splits: int, silu: bool) -> int:
     """The NORM prologue's constexpr block: a split program sums the squares of its slice of x (``k_per_split``
     rows); a lone program without partials (one split, not SILU) reduces the whole row."""

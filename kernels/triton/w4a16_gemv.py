@@ -46,12 +46,9 @@ from kernels.triton.common import (
 )
 from kernels.triton.gemv_epilogue import (
     MAX_SPLIT,
-    SILU,
+    dot_input,
     epilogue_launch,
-    inv_rms,
-    one_split_epilogue,
-    slice_squares,
-    split_epilogue,
+    finish_tile,
 )
 from kernels.triton.split_k import split_k
 from kernels.triton.w4a16_planes import _plane_rows
@@ -438,16 +435,8 @@ def _gemv_kernel(
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    split_path: tl.constexpr = SPLITS > 1 or EPILOGUE == SILU  # partials and a ticket: the tail reads [splits] sums
     MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
-    if PRESCALED:
-        dot_ptr = normed_ptr
-    else:
-        dot_ptr = x_ptr
-    if NORM and split_path:
-        squares = slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
-    else:
-        squares = 0.0
+    dot_ptr, squares = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
     if ONE_STEP:
         y = _step_dot(dot_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, s_high, zz, zm, MUL_NORM, HAS_PERM, USE_ASM, True,
                       ROW_GROUPS, TWO_GROUPS)
@@ -465,17 +454,10 @@ def _gemv_kernel(
                            ROW_GROUPS, TWO_GROUPS)
             qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
-    if not split_path:  # the tile's whole sum is here: no partials, no ticket
-        if NORM:
-            y = y * inv_rms(x_ptr, K, eps, NORM_BLOCK)
-        one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
-                           EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM)
-    else:
-        split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
-                       out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
-                       qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM,
-                       SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM)
+    finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+                k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, rn, n_mask, N, K,
+                splits, lock_rest, eps, qk_eps, NORM, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, HAS_BIAS, SPLITS,
+                NORM_BLOCK, NEXT_NORM, BLOCK_N)
 
 
 @dataclass(frozen=True)
