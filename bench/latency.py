@@ -327,6 +327,8 @@ def bench_model(run: BenchRun, name: str, copy_bw: float, sections: set[str]) ->
     llm.engine.release()
     del llm
     gc.collect()
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.empty_cache()  # what the engine's last references held goes back before a server starts
     if model.streamed is not None and "stream" in sections and rate is not None:
         with run.section(f"{shape} {model.quant_label}: streamed through app.py serve"):
             bench_streamed(run, model_dir, shape, name, rate)
