@@ -659,11 +659,11 @@ def test_dense_gemv(fusion, k, n, bias):
 @pytest.mark.parametrize("fusion,split,block_n,block_k", [
     ("plain", 1, 16, 64), ("norm", 1, 4, 32), ("residual+next-norm", 3, 4, 32), ("norm+silu", 1, 8, 64),
     ("rope", 1, 4, 32), ("rope", 2, 32, 64), ("prescaled-norm+rope", 3, 8, 32), ("rope+qk-norm", 3, 32, 32),
-    ("silu", 3, 4, 32)])
+    ("silu", 3, 4, 32), ("prescaled-norm+silu", 1, 4, 1024), ("prescaled-norm+rope", 1, 4, 1024)])
 def test_dense_gemv_plans(fusion, split, block_n, block_k):
     """One split (the tile finishes in registers, or through a barrier for rotary) and three uneven ones
     (K = 320 in steps of 32: 128, 128 and 64 rows); rotary tiles of 2, 4 or 16 pairs (a whole head of 32), and
-    of a whole head with Qwen3's q/k norms."""
+    of a whole head with Qwen3's q/k norms; the GPU's 1,024-column step, past all of K (SmolLM2's 576)."""
     from kernels.triton.dense_gemv import DenseGemvPlan
 
     plan = DenseGemvPlan(block_n=block_n, block_k=block_k, split=split, num_warps=1)
