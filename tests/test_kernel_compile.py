@@ -125,15 +125,19 @@ def test_gemv_main_loop_stays_within_its_instruction_budget():
     assert resource_usage(compiled.asm["cubin"]).spilled_bytes == 0, plan
 
 
-DENSE_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue read prescaled, rotary sizes): as the fused layer
+DENSE_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue, rotary sizes): as the fused layer launches them
+    # (the norm's input read prescaled, but in the first layer's qkv)
     ("7b-qkv", 4096, 12288, ROPE, True, {"Q_SIZE": 4096, "KV_SIZE": 4096, "HEAD_DIM": 128}),  # fp16 Llama-2-7B
     ("qwen3-8b-qkv+qk-norm", 4096, 6144, ROPE, True, {"Q_SIZE": 4096, "KV_SIZE": 1024, "HEAD_DIM": 128}),
+    ("7b-qkv-first-layer", 4096, 12288, ROPE, True, {"Q_SIZE": 4096, "KV_SIZE": 4096, "HEAD_DIM": 128}),
     ("7b-o", 4096, 4096, RESIDUAL, False, None),
     ("7b-gate/up", 4096, 22016, SILU, True, None),
     ("7b-down", 11008, 4096, RESIDUAL, False, None),
     ("8b-lm-head", 4096, 128256, STORE, True, None),  # the final norm on the head's launch
     ("smollm2-qkv", 576, 960, ROPE, True, SMOLLM2_ROPE),
     ("smollm2-down", 1536, 576, RESIDUAL, False, None),
+    ("qwen2.5-7b-qkv+bias", 3584, 4608, ROPE, True, {"Q_SIZE": 3584, "KV_SIZE": 512, "HEAD_DIM": 128}),
+    ("o+bias", 4096, 4096, RESIDUAL, False, None),
 ]
 
 
@@ -147,8 +151,9 @@ def test_dense_gemv_launches_compile_without_spills(name, k, n, epilogue, norm, 
     memory, two barriers); 144 with the warps along K, and no barrier (session 18)."""
     qk_norm = "qk-norm" in name
     plan = dense_gemv_plan(n, k, 132, head_dim=rope["HEAD_DIM"] if qk_norm else None)
-    args = dense_gemv_args(k, n, plan, epilogue=epilogue, norm=norm, qk_norm=qk_norm, rope_sizes=rope,
-                           prescaled=norm, next_norm=epilogue == RESIDUAL)
+    args = dense_gemv_args(k, n, plan, epilogue=epilogue, norm=norm, qk_norm=qk_norm, bias="bias" in name,
+                           rope_sizes=rope, prescaled=norm and "first-layer" not in name,
+                           next_norm=epilogue == RESIDUAL)
     compiled = compile_source(_dense_gemv_kernel, args, plan.num_warps)
     usage = resource_usage(compiled.asm["cubin"])
     assert usage.spilled_bytes == 0, f"{name} {plan}: {usage.registers} registers, {usage.spilled_bytes} B spilled"
