@@ -207,14 +207,14 @@ DENSE_SHAPES = {  # N x K of a Linear's fp16 weight: the fp16 7B layer (issue 15
 
 
 def dense_plan_variants(n: int, k: int, sms: int):
-    """Rows a thread, warps along K and the split (the rule's, one, and half or twice its grid): the basis of
-    ``dense_gemv_plan``."""
+    """Rows a thread, warps along K and the split (the rule's, one, twice the rule's): the basis of
+    ``dense_gemv_plan``; up to 18 a shape, so the sweep of every shape fits one device call."""
     seen = set()
-    for rows, warps in itertools.product((2, 4, 8), (2, 4, 8)):
+    for rows, warps in itertools.product((2, 4, 8), (4, 8)):
         block_k = min(256 * warps, next_pow2(k))
         steps = -(-k // block_k)
         rule = dense_gemv_plan(n, k, sms).split
-        for split in (1, rule, max(1, rule // 2), min(steps, 2 * rule), min(steps, 4)):
+        for split in (1, rule, min(steps, 2 * rule)):
             plan = DenseGemvPlan(rows, block_k, max(1, min(split, steps)), warps)
             if plan not in seen:
                 seen.add(plan)
