@@ -14,8 +14,10 @@
 #   mix        bench/throughput.py --only mix: the ShareGPT-like mix on fp16 7B against HF transformers' static batch
 #   timeline   bench/step_timeline.py on the 7B shape, with and without --async-scheduling
 #   batched    bench/kernels.py --only batched: the shipped W4A16 path at 16-256 rows against fp16 cuBLAS
-#   sweep      bench/kernels.py --sweep-mma: the transposed kernel's tiles and switches on the 7B and 8B shapes; the
-#              card's fastest go to $OUT/w4a16_mma.json (copy it over kernels/triton/tuned/w4a16_mma.json)
+#   sweep      bench/kernels.py --sweep-mma: the transposed kernel's tiles, switches and splits at 32-256 rows on the
+#              7B and 8B shapes; the card's fastest go to $OUT/w4a16_mma.json (copy it over
+#              kernels/triton/tuned/w4a16_mma.json: the swept shapes' entries are new, the others the tree's). It
+#              takes about two calls: SWEEP_SHAPES=8B, copy its table over the tree's, then SWEEP_SHAPES=7B
 # Writes the benches' JSON files and issue16_check.log (every step's whole output) into $OUT (or bench/results).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -65,8 +67,9 @@ for step in "${steps[@]}"; do
     batched)
       TAIL=40 run 90 kernels_batched "$PY" bench/kernels.py --only batched --out "$OUT_DIR/kernels_batched.json" ;;
     sweep)
-      TAIL=30 run 480 kernels_mma_sweep "$PY" bench/kernels.py --only "" --sweep-mma "$OUT_DIR/kernels_mma_sweep.json" \
-        --tuned-out "$OUT_DIR/w4a16_mma.json" ;;
+      cp kernels/triton/tuned/w4a16_mma.json "$OUT_DIR/w4a16_mma.json"  # the swept shapes' entries are replaced
+      TAIL=30 run 540 kernels_mma_sweep "$PY" bench/kernels.py --only "" --sweep-mma "$OUT_DIR/kernels_mma_sweep.json" \
+        --mma-shapes "${SWEEP_SHAPES:-}" --tuned-out "$OUT_DIR/w4a16_mma.json" ;;
     *)
       say "unknown step $step" ;;
   esac

@@ -380,32 +380,53 @@ MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's ti
     (128, 64, 4, 2, {"X_TMA": True}), (128, 64, 4, 3, {"X_TMA": True}), (64, 64, 4, 3, {"X_TMA": True}),
     (128, 128, 8, 3, {"X_TMA": True}), (128, 64, 4, 3, {"X_TMA": True, "WARP_SPECIALIZE": True}),
 ]
-MMA_SWEEP_ROWS = (64, 128, 256)
+MMA_SWEEP_ROWS = (32, 64, 128, 256)
+MMA_SWEEP_SLOTS = (3,)  # besides the rule's split (the tiles fill each SM once): the split for 3 programs an SM
+
+
+def mma_sweep_configs(m: int, n: int, k: int, sms: int) -> list[dict]:
+    """Every MMA_SWEEP tile at ``m`` rows with the rule's split, and with the split that gives each SM 3
+    programs where that differs (a loop bound by latency at few tiles wants more programs in flight; issue 16's
+    17-64 rows; session 14 found the loop latency-bound at 1.5 warps a scheduler)."""
+    configs = []
+    for tile in MMA_SWEEP:
+        rule = mma_cfg(m, n, k, *tile, sms=sms)
+        tiles = -(-m // rule["BLOCK_M"]) * -(-n // rule["BLOCK_N"])
+        for slots in (None, *MMA_SWEEP_SLOTS):
+            config = rule if slots is None else mma_cfg(m, n, k, *tile, sms=sms, split=-(-slots * sms // tiles))
+            if config not in configs:
+                configs.append(config)
+    return configs
 
 
 def mma_cfg(m: int, n: int, k: int, bm_cap: int, bn: int, warps: int, stages: int, flags: dict | None = None,
-            *, sms: int) -> dict:
-    """A MMA_SWEEP tile's launch config at ``m`` rows, as the launcher makes it from a tuned tile."""
-    tile = {"BLOCK_M": bm_cap, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, **(flags or {})}
+            *, sms: int, split: int | None = None) -> dict:
+    """A MMA_SWEEP tile's launch config at ``m`` rows (with ``split``, that split), as the launcher makes it from
+    a tuned tile."""
+    tile = {"BLOCK_M": bm_cap, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, **(flags or {}),
+            **({"split": split} if split else {})}
     return w4a16_mma.mma_config(m, n, k, sms, tile)
 
 
-def sweep_mma(path: str, tuned_out: str | None = None) -> None:
-    """Times the transposed kernel's tiles (w4a16_mma.py) at 32-256 rows on the issue-16 shapes against cuBLAS
-    and the shipped path; writes {"w4a16_mma": [{shape, m, config, us, vs_fp16, fp16_us, shipped_us}]}, and
-    with ``tuned_out`` this card's table of tiles there (``tuned_table``)."""
+def sweep_mma(path: str, tuned_out: str | None = None, only: str = "") -> None:
+    """Times the transposed kernel's tiles (w4a16_mma.py) at 32-256 rows on the issue-16 shapes (``only``: those
+    whose names hold one of its comma-separated parts) against cuBLAS and the shipped path; writes
+    {"w4a16_mma": [{shape, m, config, us, vs_fp16, fp16_us, shipped_us}]}, and with ``tuned_out`` this card's
+    tiles for the swept shapes there (``tuned_table``; the other shapes' entries stay)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     found: dict = {"w4a16_mma": []}
-    for label, (k, n) in BATCHED_SHAPES.items():
+    shapes = {label: kn for label, kn in BATCHED_SHAPES.items()
+              if not only or any(part in label for part in only.split(","))}
+    swept: list[str] = []
+    for label, (k, n) in shapes.items():
         packed, dense = weight_sets(k, n)
         for m in MMA_SWEEP_ROWS:
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             t_h = bench_graph([partial(torch.matmul, x, w) for w in dense])
             t_s = bench_graph([partial(triton_ops.w4a16_matmul, x, *p, GROUP) for p in packed])
             expected = reference.w4a16_matmul(x.float(), *packed[0], GROUP)  # [m, n] float32
-            configs = {json.dumps(mma_cfg(m, n, k, *v, sms=sms), sort_keys=True) for v in MMA_SWEEP}
             rows = []
-            for cfg in map(json.loads, sorted(configs)):
+            for cfg in mma_sweep_configs(m, n, k, sms):
                 try:
                     got = w4a16_mod.w4a16_matmul(x, *packed[0], GROUP, path="mma", config=cfg).float()
                     error = ((got - expected).norm() / expected.norm()).item()  # NaN stays NaN
@@ -422,8 +443,9 @@ def sweep_mma(path: str, tuned_out: str | None = None) -> None:
                 print(f"sweep-mma {label} M={m}: best {best['us']:.1f} us ({best['vs_fp16']:.2f}x fp16 "
                       f"{t_h * 1e3:.1f} us; shipped {t_s * 1e3:.1f} us) {best['config']}", flush=True)
         Path(path).write_text(json.dumps(found, indent=1))  # after each shape: a timeout keeps what was swept
+        swept.append(f"{k}x{n}")
         if tuned_out:
-            write_tuned(tuned_out, torch.cuda.get_device_name(), tuned_table(found["w4a16_mma"], sms))
+            write_tuned(tuned_out, torch.cuda.get_device_name(), tuned_table(found["w4a16_mma"], sms), swept)
         del packed, dense
         torch.cuda.empty_cache()
 
@@ -450,15 +472,27 @@ def tuned_table(rows: list[dict], sms: int) -> dict:
         if best["us"] < TUNED_MARGIN * rule_us:
             keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", *KERNEL_FLAGS)
             tile = {key: best["config"][key] for key in keys if key in best["config"]}
+            if best["config"]["split"] != mma_config(m, n, k, sms, tile)["split"]:  # a split other than the rule's
+                tile["split"] = best["config"]["split"]
             table.setdefault(f"{k}x{n}", {})[str(m)] = tile
             print(f"tuned {label} M={m}: {rule_us:.1f} -> {best['us']:.1f} us {tile}", flush=True)
     return table
 
 
-def write_tuned(path: str, device: str, table: dict) -> None:
-    """Put one card's table into the tuned file (other cards' entries stay)."""
+def write_tuned(path: str, device: str, table: dict, shapes: list[str] | None = None) -> None:
+    """Put one card's table into the tuned file (other cards' entries stay); with ``shapes`` ("KxN"), only
+    those shapes' entries are replaced (or dropped where the table has none): a sweep split over device calls
+    keeps what the others measured."""
     tuned = json.loads(Path(path).read_text()) if Path(path).exists() else {}
-    tuned[device] = table
+    if shapes is None:
+        tuned[device] = table
+    else:
+        card = tuned.setdefault(device, {})
+        for shape in shapes:
+            if shape in table:
+                card[shape] = table[shape]
+            else:
+                card.pop(shape, None)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
 
@@ -480,7 +514,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/kernels.json")
     parser.add_argument("--sweep", default=None, help="also time config variants and write them here")
-    parser.add_argument("--sweep-mma", default=None, help="also time the 17-128-row kernel's tiles, written here")
+    parser.add_argument("--sweep-mma", default=None, help="also time the 17-256-row kernel's tiles, written here")
+    parser.add_argument("--mma-shapes", default="", help="--sweep-mma only on shapes whose names hold one of these "
+                                                         "comma-separated parts (e.g. 8B)")
     parser.add_argument("--tuned-out", default=None,
                         help="with --sweep-mma or --tuned-from: write the card's fastest tiles into this table "
                              "(kernels/triton/tuned/w4a16_mma.json)")
@@ -531,7 +567,7 @@ def main() -> None:
     if args.sweep:
         sweep(copy_bw, args.sweep)
     if args.sweep_mma:
-        sweep_mma(args.sweep_mma, args.tuned_out)
+        sweep_mma(args.sweep_mma, args.tuned_out, args.mma_shapes)
     for r in extra:
         print(f"  {r.name:<70} {r.value:>10.3f} {r.unit}")
     print(f"\n{'target':<72} {'value':>9} {'unit':<10} {'target':<8} pass")

@@ -28,7 +28,7 @@ def test_the_shipped_table_holds_whole_tiles_for_swept_row_counts():
             for rows, tile in by_rows.items():
                 assert int(rows) in (64, 128, 256)
                 assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(tile)
-                assert set(tile) <= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", *KERNEL_FLAGS}
+                assert set(tile) <= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "split", *KERNEL_FLAGS}
                 assert tile["BLOCK_M"] <= int(rows) and tile["BLOCK_N"] in (64, 128, 256)
 
 
@@ -69,6 +69,10 @@ def test_a_tile_becomes_a_config_the_way_the_rule_does():
     switched = mma_config(64, 4096, 4096, 132, {**tile, "X_TMA": True, "WARP_SPECIALIZE": True})
     assert switched["X_TMA"] and switched["WARP_SPECIALIZE"] and switched["split"] == 1
     assert "X_TMA" not in mma_config(64, 4096, 4096, 132, {**tile, "X_TMA": False})
+    # a measured split stands, within the K steps a split must keep (4 of 128 rows: 8 at K = 4096)
+    assert mma_config(32, 6144, 4096, 132, {**tile, "split": 5})["split"] == 5
+    assert mma_config(32, 6144, 4096, 132, {**tile, "split": 12})["split"] == 8
+    assert mma_config(32, 6144, 4096, 132, tile)["split"] == 2  # the rule: 96 tiles fill 132 SMs in 2 splits
 
 
 def sweep_row(label: str, m: int, config: dict, us: float, rel_error: float = 3e-4) -> dict:
@@ -88,10 +92,15 @@ def test_the_table_keeps_a_swept_tile_only_where_it_beat_the_rule_by_more_than_n
     by_tma = mma_config(256, 4096, 4096, 132, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                                 "X_TMA": True})
     rule_256 = mma_config(256, 4096, 4096, 132)
+    rule_32 = mma_config(32, 4096, 4096, 132)
+    more_splits = mma_config(32, 4096, 4096, 132, {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                                                   "split": 7})
+    assert rule_32["split"] == 3  # 64 tiles: 3 splits fill the 132 SMs once
     rows = [sweep_row(label, 128, rule_128, 20.0), sweep_row(label, 128, narrow, 17.0),  # 15% faster: kept
             sweep_row(label, 256, rule_256, 30.0), sweep_row(label, 256, by_tma, 25.0),  # a switch is kept too
             sweep_row(label, 64, rule_64, 13.0), sweep_row(label, 64, staged, 12.7),  # 2.3%: noise
-            sweep_row(label, 64, wrong, 5.0, rel_error=0.5)]  # fast and wrong: never
+            sweep_row(label, 64, wrong, 5.0, rel_error=0.5),  # fast and wrong: never
+            sweep_row(label, 32, rule_32, 10.0), sweep_row(label, 32, more_splits, 8.0)]  # the rule's tile, more splits
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps({"w4a16_mma": rows}))
     table = tmp_path / "tuned.json"
@@ -101,8 +110,23 @@ def test_the_table_keeps_a_swept_tile_only_where_it_beat_the_rule_by_more_than_n
     written = json.loads(table.read_text())
     assert written["Other card"] == {"1x1": {"64": {}}}  # other cards' entries stay
     assert written["Test card"] == {"4096x4096": {
+        "32": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 7},
         "128": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
         "256": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "X_TMA": True}}}
+
+
+def test_a_sweep_of_some_shapes_replaces_only_their_entries(tmp_path):
+    """A sweep split over device calls (``--mma-shapes``): each call's table replaces the shapes it swept, drops
+    a swept shape whose tiles no longer beat the rule, and keeps the rest."""
+    sys.path.insert(0, str(ROOT))
+    from bench.kernels import write_tuned
+
+    path = tmp_path / "tuned.json"
+    tile = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    path.write_text(json.dumps({H200: {"4096x4096": {"64": tile}, "4096x6144": {"128": tile},
+                                       "11008x4096": {"64": tile}}}))
+    write_tuned(str(path), H200, {"4096x4096": {"256": tile}}, ["4096x4096", "4096x6144"])
+    assert json.loads(path.read_text()) == {H200: {"4096x4096": {"256": tile}, "11008x4096": {"64": tile}}}
 
 
 @pytest.mark.parametrize("missing", ["--tuned-out", "--sms"])

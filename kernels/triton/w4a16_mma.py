@@ -140,13 +140,15 @@ def mma_supported(x: torch.Tensor, group_size: int, k: int) -> bool:
 
 
 def mma_config(m: int, n: int, k: int, sms: int, tile: dict | None = None) -> dict:
-    """Tile and split-K. ``tile`` (BLOCK_M as a cap, BLOCK_N, num_warps, num_stages) is one measured fastest for
-    this shape and row bucket on this card (kernels/triton/tuned.py); without one, the best of sweeps at 32-256
+    """Tile and split-K. ``tile`` (BLOCK_M as a cap, BLOCK_N, num_warps, num_stages, optionally the split) is
+    one measured fastest for this shape and row bucket on this card (kernels/triton/tuned.py); without one, the
+    best of sweeps at 32-256
     rows on the H200 (BENCHMARKS.md, issue 16, session 14): BLOCK_M covers the rows up to 128; 64 weight
     columns, 4 warps and 3 stages, unless those tiles need more than one wave (3 programs an SM fit at
     BLOCK_M <= 64, 2 above: registers and shared memory); then 128 columns with 8 warps (8B gate/up at 64 rows:
     69.8 us in 448 narrow tiles, 56.1 in 224 wide ones; 7B gate/up, 344 tiles in one wave: 45.2 narrow, 56.0
-    wide). Split-K while the tiles leave SMs idle, each split at least 4 K steps."""
+    wide). Split-K while the tiles leave SMs idle (a program an SM; a tuned tile's split may ask for more, as
+    few tiles at 17-64 rows leave most of an SM's program slots empty), each split at least 4 K steps."""
     rows = max(16, triton.next_power_of_2(m))
     if tile is None:
         block_m = min(128, rows)
@@ -156,7 +158,8 @@ def mma_config(m: int, n: int, k: int, sms: int, tile: dict | None = None) -> di
                 "num_stages": 3}
     block_m = min(tile["BLOCK_M"], rows)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile["BLOCK_N"])
-    split = max(1, min(triton.cdiv(sms, tiles), k // (4 * K_STEP), 16))
+    split = tile.get("split") or triton.cdiv(sms, tiles)  # a measured split, else the tiles fill the SMs once
+    split = max(1, min(split, k // (4 * K_STEP), 16))
     flags = {key: tile[key] for key in KERNEL_FLAGS if tile.get(key)}
     if flags.get("WARP_SPECIALIZE"):
         split = 1  # Triton splits the loop only where the kernel is compiled without its split-K path
