@@ -380,7 +380,7 @@ MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's ti
     (128, 64, 4, 2, {"X_TMA": True}), (128, 64, 4, 3, {"X_TMA": True}), (64, 64, 4, 3, {"X_TMA": True}),
     (128, 128, 8, 3, {"X_TMA": True}), (128, 64, 4, 3, {"X_TMA": True, "WARP_SPECIALIZE": True}),
 ]
-MMA_SWEEP_ROWS = (32, 64, 128, 256)
+MMA_SWEEP_ROWS = (16, 32, 64, 128, 256)  # at 16 against the planes kernel, which the shipped path runs there
 MMA_SWEEP_SLOTS = (3,)  # besides the rule's split (the tiles fill each SM once): the split for 3 programs an SM
 
 
@@ -456,7 +456,10 @@ TUNED_MARGIN = 0.97  # a swept tile enters the table only where it beat the rule
 def tuned_table(rows: list[dict], sms: int) -> dict:
     """kernels/triton/tuned.py's table for one card from ``--sweep-mma`` rows: per "KxN" and swept row count,
     the fastest tile whose products were right, where it beat the tile of the rule (``mma_config`` without a
-    table) by more than TUNED_MARGIN; the rule's time is its own row of the sweep, else the shipped path's."""
+    table) by more than TUNED_MARGIN; the rule's time is its own row of the sweep, else the shipped path's. At
+    PLANES_MAX_M rows or fewer the shipped path is the planes kernel, and a tile must beat that instead (the
+    launcher then takes mma there)."""
+    from kernels.triton.w4a16 import PLANES_MAX_M
     from kernels.triton.w4a16_mma import KERNEL_FLAGS, mma_config
 
     by_case: dict[tuple[str, int], list[dict]] = {}
@@ -468,6 +471,8 @@ def tuned_table(rows: list[dict], sms: int) -> dict:
         k, n = BATCHED_SHAPES[label]
         rule = mma_config(m, n, k, sms)
         rule_us = next((r["us"] for r in timed if r["config"] == rule), timed[0]["shipped_us"])
+        if m <= PLANES_MAX_M:
+            rule_us = timed[0]["shipped_us"]
         best = min(timed, key=lambda r: r["us"])
         if best["us"] < TUNED_MARGIN * rule_us:
             keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", *KERNEL_FLAGS)

@@ -277,6 +277,8 @@ MMA_VARIANTS = {
     "split": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "split": 3},
     "no-split": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "split": 1},
     "wide": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "split": 2},
+    # 16 rows a tile (the sweep tries mma against the planes kernel at 9-16 rows), split for 3 programs an SM
+    "16-rows": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 6},
     # the sweep's switches: x copied by TMA (rows past M zero-filled), with split-K and without, warp-specialized
     "x-tma": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 3, "X_TMA": True},
     "x-tma-ws": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 1, "X_TMA": True,
@@ -557,7 +559,7 @@ def test_w4a16_planes_split_counters_survive_repeated_calls():
 @pytest.mark.parametrize(
     "m,group_size,act_order,variant",
     [(17, 128, False, "split"), (40, 256, True, "no-split"), (33, 128, False, "wide"), (45, 128, False, "x-tma"),
-     (37, 128, True, "x-tma-ws")],
+     (37, 128, True, "x-tma-ws"), (11, 128, False, "16-rows")],
 )
 def test_w4a16_mma(m, group_size, act_order, variant):
     check_w4a16_mma("cpu", torch.float16, m, 768, 48, group_size, act_order, variant)

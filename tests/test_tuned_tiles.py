@@ -26,7 +26,7 @@ def test_the_shipped_table_holds_whole_tiles_for_swept_row_counts():
             k, n = (int(v) for v in shape.split("x"))
             assert k % 128 == 0 and n > 0
             for rows, tile in by_rows.items():
-                assert int(rows) in (64, 128, 256)
+                assert int(rows) in (16, 32, 64, 128, 256)
                 assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(tile)
                 assert set(tile) <= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "split", *KERNEL_FLAGS}
                 assert tile["BLOCK_M"] <= int(rows) and tile["BLOCK_N"] in (64, 128, 256)
@@ -113,6 +113,23 @@ def test_the_table_keeps_a_swept_tile_only_where_it_beat_the_rule_by_more_than_n
         "32": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 7},
         "128": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
         "256": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "X_TMA": True}}}
+
+
+def test_at_16_rows_a_tile_must_beat_the_planes_kernel(tmp_path):
+    """At 16 rows the shipped path is the planes kernel: a swept mma tile enters the table (and the launcher then
+    takes mma at 9-16 rows) only where it beat the planes kernel's time, not the mma rule's."""
+    sys.path.insert(0, str(ROOT))
+    from bench.kernels import tuned_table
+
+    label = "8B o 4096x4096"
+    rule = mma_config(16, 4096, 4096, 132)
+    split = mma_config(16, 4096, 4096, 132, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                                             "split": 6})
+    beats_rule_only = [{**sweep_row(label, 16, rule, 14.0), "shipped_us": 9.0},
+                       {**sweep_row(label, 16, split, 10.0), "shipped_us": 9.0}]
+    assert tuned_table(beats_rule_only, 132) == {}
+    beats_planes = [{**row, "shipped_us": 12.0} for row in beats_rule_only]
+    assert tuned_table(beats_planes, 132)["4096x4096"]["16"]["split"] == 6
 
 
 def test_a_sweep_of_some_shapes_replaces_only_their_entries(tmp_path):

@@ -461,7 +461,7 @@ def w4a16_matmul(
     zeros = zeros.to(x.dtype).contiguous()
     qweight = qweight.contiguous()
     if path is None:
-        path = _pick_path(x, m, k, group_size)
+        path = _pick_path(x, m, k, group_size, n)
     if path == "dequant":
         xp = x if perm is None else x[:, perm]
         return torch.matmul(xp, dequantize(qweight, scales, zeros, group_size))
@@ -499,10 +499,13 @@ def w4a16_matmul(
     return out
 
 
-def _pick_path(x: torch.Tensor, m: int, k: int, group_size: int) -> str:
+def _pick_path(x: torch.Tensor, m: int, k: int, group_size: int, n: int) -> str:
     """planes (tensor-core nibble planes) for M <= PLANES_MAX_M and mma up to MMA_MAX_M where they apply, else
-    the older paths."""
+    the older paths; at M <= PLANES_MAX_M mma where this card's table has a tile for the shape there (the sweep
+    enters one only where it beat the planes path: bench/kernels.py ``tuned_table``)."""
     if m <= PLANES_MAX_M and planes_supported(x, group_size, k):
+        if x.is_cuda and mma_supported(x, group_size, k) and tuned_tile("w4a16_mma", device_name(x.device), k, n, m):
+            return "mma"
         return "planes"
     if m <= 16:
         return "gemv"
