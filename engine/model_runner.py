@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import time
 import weakref
@@ -135,6 +136,7 @@ class ModelRunner:
         gives it back."""
         if self.device.type != "cuda":
             return None
+        gc.collect()  # engines dropped without release() give their shares back when collected: before this one
         limit = TorchPoolLimit(self.device)
         weakref.finalize(self, limit.release).atexit = False  # at exit nobody needs the room back
         limit.hold(cuda_budget_bytes(self.args, self.device) - device_bytes_outside_torch(self.device))
