@@ -59,7 +59,7 @@ class MemoryProfile:
     # size do not always serve another (7B AWQ under 24 GiB, a ShareGPT-like mix: torch's pool grew 72 MiB
     # past the trial's peak, BENCHMARKS.md issue 16 session 16)
     outside_torch: int = 0  # measured after the trial: the CUDA context, loaded kernels, graph executables
-    torch_limit: int = 0  # what torch's caching allocator may hold for this engine: budget - outside_torch
+    torch_limit: int = 0  # what torch's caching allocator may hold for this engine while serving: the budget
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,8 @@ class ModelRunner:
 
     def _limit_torch_pool(self) -> TorchPoolLimit | None:
         """On a GPU, hold torch's caching allocator to the budget less what lies outside it (TorchPoolLimit says
-        why) from the start: the load and the trial start-up count as much as serving. The trial's measure
-        of the memory outside torch tightens it (``_size_kv_cache``); ``release`` (or garbage collection)
-        gives it back."""
+        why) from the start: the load and the trial start-up count as much as serving. After the trial it is
+        the budget itself (``_size_kv_cache`` says why); ``release`` (or garbage collection) gives it back."""
         if self.device.type != "cuda":
             return None
         gc.collect()  # engines dropped without release() give their shares back when collected: before this one
@@ -265,7 +264,11 @@ class ModelRunner:
             self.trial = self._trial_start_up(max_model_len, activation_peak)
             peak, outside = self.trial.torch_peak + activation_peak, self.trial.outside_torch
             kv_budget = budget - peak - outside
-            self._pool_limit.hold(budget - outside)
+            # torch may reserve up to the whole budget: the room of what lies outside it (~0.8 GiB, the CUDA
+            # context and modules) is what fragmentation may take. Held at budget - outside, the sampler ran out
+            # of memory while serving (20 MiB short, 112 MiB reserved but in partly used blocks; BENCHMARKS.md
+            # issue 15, session 18), so the process may pass the budget by at most that room, not by 4.2 GiB
+            self._pool_limit.hold(budget)
         else:
             kv_budget = cpu_kv_cache_bytes(self.args)
             budget, activation_peak, peak, outside = self.weight_bytes + kv_budget, 0, self.weight_bytes, 0
