@@ -162,7 +162,7 @@ def bench_budget(run: BenchRun) -> None:
                  "GiB"),
             *(info(f"{label}: torch's reserved peak in the trial's {stage} stage", peak / gib, "GiB")
               for stage, peak in runner.trial.stage_peaks.items()),
-            info(f"{label}: torch's pool limit (budget - outside torch)", profile.torch_limit / gib, "GiB"),
+            info(f"{label}: torch's pool limit while serving (the budget)", profile.torch_limit / gib, "GiB"),
             info(f"{label}: KV pool", profile.kv_cache / gib, "GiB"),
             info(f"{label}: KV capacity", runner.layout.capacity_tokens, "tokens"),
             info(f"{label}: start-up (AsyncEngine built and warmed up)", start_up_seconds, "s"),
