@@ -9,7 +9,8 @@
 # (carry .peers: ../shared/peers/fetch.sh fills it; with GEMV_BASELINE also .devcache). Steps:
 #   peer      llama.cpp's build (~4.5 min on 16 cores, niced, in the background from the start, with the F16 GGUF
 #             and the latency step's random-weight models built beside it), then, with nothing else running,
-#             llama-bench on the quantized shapes and the fp16 7B: $OUT/llamacpp.txt, kept in /tmp/lcpp too
+#             llama-bench on the quantized shapes and the fp16 7B, and llama-batched-bench at 1, 32 and 128
+#             sequences on the 8B shape (issue 16's peers): $OUT/llamacpp.txt, kept in /tmp/lcpp too
 #   tests     GPU tests: the GEMVs against the reference, the fused layer against the unfused one, greedy
 #             decoding against transformers (graphs and eager)
 #   latency   bench/latency.py: batch-1 decode of $MODELS (default SmolLM2, 7B AWQ, 7B fp16, 8B AWQ) and the 7B
@@ -89,7 +90,7 @@ if has_step peer; then
   while [ ! -f $LCPP/done ] && [ $(( $(date +%s) - start )) -lt 420 ]; do sleep 5; done
   if [ "$(cat $LCPP/done 2>/dev/null)" = 0 ]; then
     say "llama.cpp batch-1 decode (quantized shapes, then the fp16 7B)"
-    { timeout 180 bash .peers/llamacpp_bench.sh smol,l7b,l8b 1; timeout 90 bash bench/llamacpp_fp16.sh; } \
+    { timeout 200 bash .peers/llamacpp_bench.sh smol,l7b,l8b 1,32,128; timeout 90 bash bench/llamacpp_fp16.sh; } \
       > $LCPP/llamacpp.txt 2>&1
     cp $LCPP/llamacpp.txt "$OUT_DIR/llamacpp.txt"
     grep -E "^## |tg128" $LCPP/llamacpp.txt | tee -a "$LOG"
