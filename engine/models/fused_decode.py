@@ -23,6 +23,7 @@ import torch
 from engine.config import GEMMA3
 from engine.forward_batch import ForwardBatch
 from engine.layers.linear import Linear, PackedInt4
+from kernels.triton.dense_gemv import dense_weight_unsupported
 
 
 def fused_decode_unsupported(model) -> str | None:
@@ -40,8 +41,9 @@ def fused_decode_unsupported(model) -> str | None:
         return f"head_dim {cfg.head_dim} is not a power of two"
     if cfg.rotary_dim != cfg.head_dim:
         return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
-    if cfg.hidden_size % 8 or model.lm_head.stride(1) != 1:
-        return f"the LM head [{cfg.vocab_size}, {cfg.hidden_size}] is not rows of a multiple of 8 contiguous weights"
+    head = dense_weight_unsupported(model.lm_head)
+    if head is not None:
+        return f"lm_head: {head}"
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             reason = _linear_unsupported(getattr(layer, name))
@@ -55,11 +57,9 @@ def _linear_unsupported(linear: Linear) -> str | None:
         return "not one weight (a merged layer kept in parts)"
     weight = linear.parts[0]
     if isinstance(weight, torch.Tensor):  # dense [out, in]
-        if weight.dtype != torch.float16 or weight.stride(1) != 1 or weight.shape[1] % 8:
-            return f"a dense weight of {weight.dtype}, in_features {weight.shape[1]} (needs fp16, a multiple of 8)"
         if weight.shape[0] % 8:
             return f"out_features {weight.shape[0]} not a multiple of 8 (the dense GEMV's gate/up tiles)"
-        return None
+        return dense_weight_unsupported(weight)
     if weight.group_size % 32 or weight.in_features % 32:
         return f"group size {weight.group_size} / in_features {weight.in_features} not multiples of 32"
     if not torch.equal(weight.zeros, weight.zeros.round()):

@@ -171,10 +171,19 @@ def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps
     return DenseGemvPlan(block_n, block_k, split, warps)
 
 
+def dense_weight_unsupported(weight: torch.Tensor) -> str | None:
+    """Why the dense GEMV cannot read ``weight`` (None when it can): it needs an fp16 [N, K] with contiguous
+    rows and K a multiple of 8 (the loop's masks are per 16 bytes). The fused decode layer asks this at load."""
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        return f"a weight of shape {tuple(weight.shape)} without contiguous rows"
+    if weight.dtype != torch.float16 or weight.shape[1] % 8:
+        return f"a dense weight of {weight.dtype}, in_features {weight.shape[1]} (needs fp16, a multiple of 8)"
+    return None
+
+
 def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One fp16 row against an fp16 weight whose K is a multiple of 8 (the loop's masks are per 16 bytes)."""
-    return (x.dtype == torch.float16 and weight.dtype == torch.float16 and x.shape[0] == 1
-            and weight.shape[-1] % 8 == 0)
+    """One fp16 row against a weight ``dense_weight_unsupported`` accepts."""
+    return x.dtype == torch.float16 and x.shape[0] == 1 and dense_weight_unsupported(weight) is None
 
 
 def dense_gemv(
@@ -195,11 +204,11 @@ def dense_gemv(
     contiguous); the fusions are ``w4a16_gemv``'s (kernels/triton/w4a16_gemv.py) and return what it returns."""
     k = x.shape[1]
     n = weight.shape[0]
-    if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"dense_gemv: weight {tuple(weight.shape)} is not [N, {k}] with contiguous rows")
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"dense_gemv: weight {tuple(weight.shape)} is not [N, {k}]")
     if not dense_gemv_supported(x, weight):
-        raise ValueError(f"dense_gemv: needs one fp16 row, an fp16 weight and K a multiple of 8 (x "
-                         f"{tuple(x.shape)} {x.dtype}, weight {weight.dtype})")
+        raise ValueError(f"dense_gemv: needs one fp16 row (x {tuple(x.shape)} {x.dtype}) and a weight the kernel "
+                         f"reads ({dense_weight_unsupported(weight) or 'it does'})")
     x = x.contiguous()
     whole_heads = rope is not None and rope.get("q_norm") is not None  # else rope tiles are rotary pairs
     plan = plan or dense_gemv_plan(n, k, num_sms(x.device), rope["head_dim"] if whole_heads else None)
