@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernels import bench_graph, copy_bandwidth, random_int4, sets_for
+from kernels.reference import dequantize_int4
 from kernels.triton import w4a16 as w4a16_mod
 from kernels.triton.common import next_pow2, num_sms
 from kernels.triton.dense_gemv import DenseGemvPlan, dense_gemv, dense_gemv_plan
@@ -192,6 +193,78 @@ def time_fusions() -> None:
         print("no register report:", exc)
 
 
+X16_LAYERS = {  # hidden, intermediate, heads, kv heads, head_dim, group: the fused layers' launches
+    "7B": (4096, 11008, 32, 32, 128, 128),
+    "8B": (4096, 14336, 32, 8, 128, 128),
+    "SmolLM2": (576, 1536, 9, 3, 64, 32),
+}
+
+
+def time_x16(args, copy_bw: float) -> None:
+    """Each launch of the fused decode layer (as engine/models/fused_decode.py makes it) with the half2 dot over
+    fp16 x against the integer dot over x in 16-bit fixed point (``x16``), at the default plan and at other
+    grid sizes; output error of both against the fp32 product."""
+    from kernels.reference import quantize_x16
+
+    sms = num_sms(torch.device(DEV))
+    rows = []
+    for name, (hidden, inter, heads, kv_heads, head_dim, group) in X16_LAYERS.items():
+        if args.only and not any(part in name for part in args.only.split(",")):
+            continue
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        cache = torch.zeros(64, 16, kv_heads, head_dim, dtype=torch.float16, device=DEV)
+        rope = {"positions": torch.tensor([7], device=DEV), "slot_mapping": torch.tensor([100], device=DEV),
+                "cos_sin_cache": torch.rand(4096, head_dim, device=DEV), "k_cache": cache,
+                "v_cache": cache.clone(), "q_size": q_size, "kv_size": kv_size, "head_dim": head_dim}
+        launches = {  # K, N, fusions, head_dim of the plan
+            "qkv": (hidden, q_size + 2 * kv_size, {"norm": True, "rope": rope}, head_dim),
+            "o": (q_size, hidden, {"residual": True}, None),
+            "gate/up": (hidden, 2 * inter, {"norm": True, "silu": True}, None),
+            "down": (inter, hidden, {"residual": True}, None),
+        }
+        for launch, (k, n, spec, plan_head) in launches.items():
+            weights = [random_int4(k, n, group) for _ in range(sets_for(weight_bytes(k, n, group)))]
+            x = torch.randn(1, k, dtype=torch.float16, device=DEV)
+            fused = {key: value for key, value in spec.items() if key not in ("norm", "residual")}
+            if spec.get("norm"):
+                norm = torch.rand(k, dtype=torch.float16, device=DEV) + 0.5
+                fused.update(norm_weight=norm, normed=x * norm, eps=1e-5)
+            if spec.get("residual"):
+                fused["residual"] = torch.zeros(1, n, dtype=torch.float16, device=DEV)
+            x16 = quantize_x16(fused.get("normed", x))
+            nbytes = weight_bytes(k, n, group)
+            row = {"layer": name, "launch": launch, "shape": f"{k}x{n} g{group}"}
+            for per_sm in (None, 12, 16, 32):
+                plan = (gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False)) if per_sm is None else
+                        gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), warps_per_sm=per_sm))
+                tag = "default" if per_sm is None else f"{per_sm} warps/SM"
+                for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
+                    calls = [partial(w4a16_gemv, x, *w, group, plan=plan, **fused, **extra) for w in weights]
+                    us = bench_graph(calls) * 1e3
+                    row[f"{dot} {tag} us"] = round(us, 2)
+                    if per_sm is None:
+                        row[f"{dot} x copy BW"] = round(nbytes / (us * 1e-6) / 1e9 / copy_bw, 3)
+            plain = {"normed": fused["normed"], "norm_weight": fused["norm_weight"]} if spec.get("norm") else {}
+            exact = x.float() if not spec.get("norm") else fused["normed"].float()
+            want = exact @ dequantize_int4(*weights[0], group).float()
+            for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
+                got = w4a16_gemv(x, *weights[0], group, **plain, eps=1e-5, **extra).float()
+                if spec.get("norm"):  # the launch scaled by 1 / rms(x): undo it for the error
+                    got = got * x.float().pow(2).mean().add(1e-5).rsqrt().reciprocal()
+                row[f"{dot} rel err"] = float((got - want).norm() / want.norm())
+            row["x16 speed-up"] = round(row["half2 default us"] / row["x16 default us"], 3)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del weights
+            torch.cuda.empty_cache()
+    doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
+           "x16": rows}
+    out = Path(args.out or "bench/results/kernels_gemv_x16.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+
+
 DENSE_SHAPES = {  # N x K of a Linear's fp16 weight: the fp16 7B layer (issue 15's fp16 target), heads, SmolLM2
     "7B qkv 12288x4096": (12288, 4096),
     "7B o 4096x4096": (4096, 4096),
@@ -264,9 +337,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings of the shape names to run")
     parser.add_argument("--fusions", action="store_true", help="only time the fused variants on 7B shapes")
     parser.add_argument("--dense", action="store_true", help="the fp16 GEMV against cuBLAS instead")
+    parser.add_argument("--x16", action="store_true", help="the fused layer's launches, half2 dot against x16")
     args = parser.parse_args()
     if args.fusions:
         time_fusions()
+        return
+    if args.x16:
+        torch.manual_seed(0)
+        time_x16(args, copy_bandwidth())
         return
     if args.dense:
         torch.manual_seed(0)

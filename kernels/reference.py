@@ -214,6 +214,55 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return ((codes.to(s.dtype) - z) * s)
 
 
+X16_PLANES = 7  # int32 planes of a row of x in 16-bit fixed point for the int4 GEMV (``quantize_x16``)
+X16_MAX = 32767  # a block's largest |x| maps to this
+
+
+def quantize_x16(x: torch.Tensor) -> torch.Tensor:
+    """One row of x [K] (or [1, K]; K a multiple of 64) -> int32 [X16_PLANES, K // 8]: x in 16-bit fixed point per
+    64-row block of the packed int4 layout, in the order the one-row GEMV's integer dot reads it
+    (kernels/triton/w4a16_gemv.py: nibble j of packed row 8b + w is input row 64b + 8j + w).
+
+    x[r] = q[r] * scale[b], q = round(x / scale) with scale = max|x of block b| / X16_MAX, so every |q| <= 32767
+    and the error of an element is at most half its block's step (2^-16 of the block's largest; fp16's own
+    rounding is 2^-11 of the element). Plane i < 4 holds, at packed row p, the int16 pair of rows (+0, +16),
+    (+8, +24), (+32, +48), (+40, +56) of p's block offset by w (low half first); planes 4 and 5 the sums of q
+    over p's nibbles 0-3 (rows of the block's first 32) and 4-7; plane 6, at the block's first packed row 8b,
+    its scale as fp32 bits, then at 8b + 1 and 8b + 2 the sums of q over its first and second 32 rows (so a K
+    step of one block reads three scalars), zeros after."""
+    k = x.numel()
+    if k % INT4_BLOCK:
+        raise ValueError(f"quantize_x16: K = {k} is not a multiple of {INT4_BLOCK}")
+    blocks = x.reshape(k // INT4_BLOCK, INT4_BLOCK).float()  # [B, 64]
+    scale = blocks.abs().amax(dim=1) / X16_MAX  # [B]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, None]).clamp(-X16_MAX, X16_MAX).to(torch.int64)  # [B, 64]
+    q = q.reshape(-1, 8, 8)  # [B, nibble j, w]: row 64b + 8j + w
+
+    def pair(lo: int, hi: int) -> torch.Tensor:  # [B, 8]: the int16 pair (nibble lo's row, nibble hi's row)
+        word = (q[:, lo] & 0xFFFF) | ((q[:, hi] & 0xFFFF) << 16)
+        return torch.where(word >= 2**31, word - 2**32, word)
+
+    sum_low, sum_high = q[:, 0:4].sum(dim=1), q[:, 4:8].sum(dim=1)  # [B, 8] each
+    block = torch.zeros_like(sum_low)  # [B, 8]
+    block[:, 0] = scale.view(torch.int32).to(torch.int64)
+    block[:, 1], block[:, 2] = sum_low.sum(dim=1), sum_high.sum(dim=1)
+    planes = [pair(0, 2), pair(1, 3), pair(4, 6), pair(5, 7), sum_low, sum_high, block]
+    return torch.stack(planes).reshape(X16_PLANES, k // 8).to(torch.int32)
+
+
+def dequantize_x16(x16: torch.Tensor) -> torch.Tensor:
+    """The row [K] float32 that ``quantize_x16``'s planes stand for: q * scale, from the pair planes."""
+    words = x16[:4].to(torch.int64).reshape(4, -1, 8)  # [pair plane, B, w]
+    low = ((words & 0xFFFF) ^ 0x8000) - 0x8000  # sign-extended int16 halves
+    high = (((words >> 16) & 0xFFFF) ^ 0x8000) - 0x8000
+    q = torch.empty(words.shape[1], 8, 8, dtype=torch.int64, device=x16.device)  # [B, nibble j, w]
+    for plane, (lo, hi) in enumerate(((0, 2), (1, 3), (4, 6), (5, 7))):
+        q[:, lo], q[:, hi] = low[plane], high[plane]
+    scale = x16[6].reshape(-1, 8)[:, 0].contiguous().view(torch.float32)  # [B]
+    return (q.float() * scale[:, None, None]).reshape(-1)
+
+
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W). x: [M, K] fp16/bf16/fp32 -> [M, N] in x's dtype."""

@@ -18,25 +18,27 @@ from kernels.triton.split_k import split_k
 from kernels.triton.w4a16_gemv import GemvPlan, _k_steps
 
 F16, F32, I32 = torch.float16, torch.float32, torch.int32
-POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "out_ptr": F16,
+POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "x16_ptr": I32,
+            "out_ptr": F16,
             "part_ptr": F32, "squares_ptr": F32, "lock_ptr": I32, "norm_ptr": F16, "cos_sin_ptr": F32,
             "pos_ptr": I32, "slot_ptr": I32, "k_cache_ptr": F16, "v_cache_ptr": F16, "q_norm_ptr": F16,
             "k_norm_ptr": F16, "bias_ptr": F16, "normed_ptr": F16, "next_norm_ptr": F16, "normed_out_ptr": F16}
 DENSE_POINTERS = {"x_ptr": F16, "w_ptr": F16, **{name: dtype for name, dtype in POINTERS.items()
-                                                if name not in ("x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "perm_ptr")}}
+                                                if name not in ("x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "perm_ptr",
+                                                                "x16_ptr")}}
 ROPE_SIZES = {"Q_SIZE": 4096, "KV_SIZE": 1024, "HEAD_DIM": 128}  # Llama-3-8B's q and kv widths, head size
 
 
 def gemv_args(k: int, n: int, group: int, plan: GemvPlan, *, epilogue=STORE, norm: bool = False,
               perm: bool = False, qk_norm: bool = False, bias: bool = False, rope_sizes: dict | None = None,
-              prescaled: bool = False, next_norm: bool = False) -> dict:
+              prescaled: bool = False, next_norm: bool = False, x16: bool = False) -> dict:
     """Arguments of ``_gemv_kernel`` for a K x N weight launched under ``plan`` (pointers as dtypes, scalars as
     values, constexprs wrapped); ``rope_sizes``: Q_SIZE, KV_SIZE, HEAD_DIM of a ROPE launch (default 8B's);
     ``prescaled``: a NORM launch reading x * weight from ``normed`` (as the engine launches it); ``next_norm``: a
-    RESIDUAL launch writing the next norm's input too."""
+    RESIDUAL launch writing the next norm's input too; ``x16``: the integer dot over x in 16-bit fixed point."""
     k_per_split, splits, block_k = _k_steps(k, group, plan)
     own = {"GROUP": group, "HAS_PERM": perm, "USE_ASM": True, "BLOCK_N": plan.block_n, "BLOCK_K": block_k,
-           "ONE_STEP": plan.one_step}
+           "ONE_STEP": plan.one_step, "X16": x16}
     return _with_tail(POINTERS, own, k, n, k_per_split, splits, epilogue=epilogue, norm=norm, qk_norm=qk_norm,
                       bias=bias, rope_sizes=rope_sizes, prescaled=prescaled, next_norm=next_norm)
 

@@ -315,14 +315,17 @@ PRESCALED_FUSIONS = ["prescaled-norm", "prescaled-norm+silu", "prescaled-norm+ro
 
 
 def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bool, fusion: str,
-                     head_dim: int = 32, plan=None, bias: bool = False) -> None:
-    """The M = 1 half2 GEMV (kernels/triton/w4a16_gemv.py), alone or with a fused neighbour (``check_one_row``)."""
+                     head_dim: int = 32, plan=None, bias: bool = False, x16: bool = False) -> None:
+    """The M = 1 GEMV (kernels/triton/w4a16_gemv.py), alone or with a fused neighbour (``check_one_row``):
+    the half2 dot, or with ``x16`` the integer dot over the dot's row in 16-bit fixed point."""
     from kernels.triton.w4a16_gemv import w4a16_gemv
 
     qweight, scales, zeros = random_int4(device, torch.float16, k, n, group_size)
     perm = torch.randperm(k, device=device) if act_order else None
 
     def launch(x, **fused):
+        if x16:  # the dot's row: x, or x * norm weight as the launch before wrote it
+            fused["x16"] = ref.quantize_x16(fused.get("normed", x))
         return w4a16_gemv(x, qweight, scales, zeros, group_size, perm, plan=plan, **fused)
 
     def exact(x):  # in x's (wide) dtype
@@ -622,6 +625,41 @@ def test_w4a16_gemv(fusion, group_size, act_order, bias):
     one group or two, block by block; K = 384 holds whole groups of 96 and whole 64-row blocks."""
     k = 384 if group_size == 96 else 256
     check_w4a16_gemv("cpu", k, 128 if "rope" in fusion else 64, group_size, act_order, fusion, bias=bias)
+
+
+@pytest.mark.parametrize(
+    "fusion,group_size,plan",
+    [("plain", 32, None), ("prescaled-norm+silu", 128, None), ("residual+next-norm", 64, None),
+     ("rope", 32, None), ("prescaled-norm+rope", 128, None), ("plain", 128, (32, 128, 1, False)),
+     ("residual", 32, (32, 128, 2, False)), ("plain", 64, (16, 64, 3, False)), ("residual", 32, (16, 0, 2, True)),
+     ("plain", 128, (16, 0, 1, True)), ("silu", 96, None)],
+)
+def test_w4a16_gemv_x16(fusion, group_size, plan):
+    """The integer dot over x in 16-bit fixed point: one-block steps (a zero and scale a column, the rows
+    summed as integers; at group 32 each half of a block its own group), wider steps and one-step plans (each
+    row converted with its block's scale; masked rows past an uneven split of K = 320), fused epilogues as the
+    engine launches them (the norms prescaled)."""
+    from kernels.triton.w4a16_gemv import GemvPlan
+
+    k = 384 if group_size in (96, 128) else 320
+    if plan is not None:
+        block_n, block_k, split, one_step = plan
+        plan = GemvPlan(block_n=block_n, block_k=block_k, split=split, num_warps=1, one_step=one_step)
+    check_w4a16_gemv("cpu", k, 128 if "rope" in fusion else 64, group_size, False, fusion, plan=plan, x16=True)
+
+
+def test_x16_round_trip():
+    """``quantize_x16`` keeps every element within half its block's step (2^-16 of the block's largest) and
+    its planes' sums and scales agree with the pairs (the kernel's zero-point term reads the sums)."""
+    x = torch.randn(512, dtype=torch.float16) * torch.logspace(-2, 2, 512).half()  # blocks of very unequal sizes
+    x16 = ref.quantize_x16(x)
+    back = ref.dequantize_x16(x16)
+    step = x.float().reshape(-1, 64).abs().amax(dim=1) / ref.X16_MAX  # [B]
+    assert ((back - x.float()).reshape(-1, 64).abs() <= step[:, None] / 2 * 1.0001).all()
+    q = torch.round(back.reshape(-1, 64) / step[:, None])  # [B, 64]: rows 64b + 8j + w
+    blocks = x16[6].reshape(-1, 8)
+    assert torch.equal(blocks[:, 1], q[:, :32].sum(dim=1).int()) and torch.equal(blocks[:, 2], q[:, 32:].sum(dim=1).int())
+    assert torch.equal(x16[4].reshape(-1, 8).sum(dim=1), blocks[:, 1])
 
 
 @pytest.mark.parametrize(

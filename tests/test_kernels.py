@@ -240,6 +240,19 @@ def test_gpu_w4a16_gemv_fusions(fusion, k, n, group_size, bias):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("k,n,group_size", GEMV_SHAPES + [(14336, 4096, 64), (11008, 4096, 128)])
+@pytest.mark.parametrize("fusion,head_dim", [("plain", 32), ("prescaled-norm+silu", 32), ("residual+next-norm", 32),
+                                             ("prescaled-norm+rope", 128), ("rope", 64)])
+def test_gpu_w4a16_gemv_x16(k, n, group_size, fusion, head_dim):
+    """The integer dot over x in 16-bit fixed point (DP2A, inline PTX: only the GPU runs it) at the engine's
+    shapes, plans and fusions against the reference, on fresh random data."""
+    if "rope" in fusion and n % (4 * head_dim):
+        pytest.skip("a rotary launch's N is q + k + v heads")
+    _cases().check_w4a16_gemv("cuda", k, n, group_size, False, fusion, head_dim=head_dim, x16=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("k,n,head_dim,group_size", [(4096, 8192, 128, 128), (576, 1024, 64, 32)])
 @pytest.mark.parametrize("fusion", ["rope", "rope+qk-norm", "prescaled-norm+rope"])
 @pytest.mark.parametrize("bias", [False, True])

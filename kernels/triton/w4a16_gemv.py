@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import X16_PLANES
 from kernels.triton.common import (
     cdiv,
     gdc_launch_dependents,
@@ -277,14 +278,15 @@ def _zero_terms(z_low, z_high, USE_ASM: tl.constexpr):
 @triton.jit
 def _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0, k_end, rows, rn, n_mask, N, GROUP: tl.constexpr,
                  ROW_GROUPS: tl.constexpr, TWO_GROUPS: tl.constexpr, MASK_ROWS: tl.constexpr,
-                 USE_ASM: tl.constexpr):
+                 USE_ASM: tl.constexpr, X16: tl.constexpr):
     # the packed words [R, BN] of the K step at k0 (qw_ptrs point at them), its scales, a second scale and the
     # half2 zero terms (1024 + zero, -(64 + zero)) as int32, [R, BN] when the step's blocks lie in different
     # groups, else [1, BN]. TWO_GROUPS (a group of 32 rows, or any that is not whole 64-row blocks): a packed row's
     # nibbles 0-3 (its block's first 32 rows) and 4-7 (the next 32) may lie in two groups, so each half of the
     # zero terms holds its own zero and the two scales are returned as loaded, fp16 (converted where used, from
     # the halves of the loaded registers: fp32 copies held a one-step plan's whole K twice); otherwise the scale
-    # is fp32 and the second one 0.0, unused.
+    # is fp32 and the second one 0.0, unused. X16 (the integer dot): the zeros of the low and high halves as int32
+    # in place of the half2 terms.
     # A step lies wholly inside or wholly past its split (k_per_split is a whole number of steps), so one
     # scalar masks the load of the step after the last; with MASK_ROWS (a split's whole K in one step wider
     # than it) each row is masked to the split's end: a split is whole 64-row blocks and packed row p is in
@@ -304,11 +306,15 @@ def _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0, k_end, rows, rn, n_mask, N,
     z = tl.load(zeros_ptr + g, mask=live, other=0.0)
     if TWO_GROUPS:
         s_high = tl.load(scales_ptr + g_high, mask=live, other=0.0)
-        zz, zm = _zero_terms(z, tl.load(zeros_ptr + g_high, mask=live, other=0.0), USE_ASM)
+        z_high = tl.load(zeros_ptr + g_high, mask=live, other=0.0)
     else:  # (g_high is g: unused)
         s = s.to(tl.float32)
         s_high = 0.0
-        zz, zm = _zero_terms(z, z, USE_ASM)
+        z_high = z
+    if X16:
+        zz, zm = z.to(tl.int32), z_high.to(tl.int32)
+    else:
+        zz, zm = _zero_terms(z, z_high, USE_ASM)
     return qw, s, s_high, zz, zm
 
 
@@ -358,6 +364,116 @@ def _step_dot(x_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, N
     return total
 
 
+def _x16_dot_ptx(two_groups: bool) -> str:
+    """The PTX of ``_x16_word_dot``: a packed word's even and odd nibbles as bytes (one AND, one shift and AND),
+    each byte pair times its int16 pair of x in a DP2A (16 x 8-bit products summed in int32, exact). Inputs: the
+    word, then the pairs of rows (+0, +16), (+8, +24), (+32, +48), (+40, +56); with ``two_groups`` the sums of
+    nibbles 0-3 and 4-7 are two outputs (inputs from $2)."""
+    first = 2 if two_groups else 1
+    q, x0, x1, x2, x3 = (f"${first + i}" for i in range(5))
+    low, high = ("$0", "$1") if two_groups else ("$0", "$0")
+    lines = [
+        ".reg .b32 even, odd;",
+        f"and.b32 even, {q}, 0x0F0F0F0F;",  # bytes: nibbles 0, 2, 4, 6 (rows +0, +16, +32, +48)
+        f"shr.u32 odd, {q}, 4;",
+        "and.b32 odd, odd, 0x0F0F0F0F;",  # nibbles 1, 3, 5, 7 (rows +8, +24, +40, +56)
+        f"dp2a.lo.s32.u32 {low}, {x0}, even, 0;",
+        f"dp2a.lo.s32.u32 {low}, {x1}, odd, {low};",
+        f"dp2a.hi.s32.u32 {high}, {x2}, even, {'0' if two_groups else high};",
+        f"dp2a.hi.s32.u32 {high}, {x3}, odd, {high};",
+    ]
+    return "{\n" + "".join(f"            {line}\n" for line in lines) + "            }"
+
+
+_X16_DOT_PTX: tl.constexpr = tl.constexpr(_x16_dot_ptx(two_groups=False))
+_X16_DOT_HALVES_PTX: tl.constexpr = tl.constexpr(_x16_dot_ptx(two_groups=True))
+
+
+@triton.jit
+def _x16_word_dot(qw, xp0, xp1, xp2, xp3, TWO_GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
+    """sum_j q_j * code_j over the 8 nibbles of each packed word, in int32 (exact): qw [R, BN] int32; xp0 .. xp3
+    int32 [R, 1], the int16 pairs of x in 16-bit fixed point (reference.quantize_x16) of nibbles (0, 2), (1, 3),
+    (4, 6), (5, 7). With TWO_GROUPS the sums of nibbles 0-3 (the block's first 32 rows) and 4-7 apart, as a
+    tuple (at group size 32 each is a group)."""
+    if USE_ASM and TWO_GROUPS:
+        return tl.inline_asm_elementwise(asm=_X16_DOT_HALVES_PTX, constraints="=r,=r,r,r,r,r,r",
+                                         args=[qw, xp0, xp1, xp2, xp3], dtype=(tl.int32, tl.int32), is_pure=True,
+                                         pack=1)
+    elif USE_ASM:
+        return tl.inline_asm_elementwise(asm=_X16_DOT_PTX, constraints="=r,r,r,r,r,r", args=[qw, xp0, xp1, xp2, xp3],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:  # the interpreter has no inline asm: the same integer sums
+        low = (_nibble(qw, 0) * _low16(xp0) + _nibble(qw, 2) * (xp0 >> 16)
+               + _nibble(qw, 1) * _low16(xp1) + _nibble(qw, 3) * (xp1 >> 16))
+        high = (_nibble(qw, 4) * _low16(xp2) + _nibble(qw, 6) * (xp2 >> 16)
+                + _nibble(qw, 5) * _low16(xp3) + _nibble(qw, 7) * (xp3 >> 16))
+        if TWO_GROUPS:
+            return low, high
+        return low + high
+
+
+@triton.jit
+def _nibble(qw, j: tl.constexpr):
+    return (qw >> (4 * j)) & 0xF
+
+
+@triton.jit
+def _low16(pair):
+    # the sign-extended low int16 of an int32 pair
+    return (pair << 16) >> 16
+
+
+@triton.jit
+def _step_dot_x16(x16_ptr, K, k0, k_end, rr, qw, s, s_high, z, z_high, MASK_ROWS: tl.constexpr,
+                  ROW_GROUPS: tl.constexpr, TWO_GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
+    # ``_step_dot`` with x in 16-bit fixed point (x16_ptr: reference.quantize_x16's int32 planes [7, K / 8]): per
+    # packed row the integer sums q . code (DP2A), minus zero * q's sum over the row's nibbles, to fp32 times the
+    # weight's and x's block scales. A step of one 64-row block (R = 8) has one x scale and, unless ROW_GROUPS,
+    # one zero and scale a column: its rows are summed as integers (exact: |sum| < 2^25) and converted once a
+    # column, with the block's scalars; wider steps convert each row's sum
+    K8 = K // 8
+    first = tl.multiple_of(k0 // 8, 8)  # the step's first packed row: a block's first (16-byte loads below)
+    p = first + rr  # [R] packed rows
+    if MASK_ROWS:
+        row_live = k0 + rr * 8 < k_end
+    else:
+        row_live = tl.full(rr.shape, 1, tl.int1)
+    xp0 = tl.load(x16_ptr + p, mask=row_live, other=0)
+    xp1 = tl.load(x16_ptr + K8 + p, mask=row_live, other=0)
+    xp2 = tl.load(x16_ptr + 2 * K8 + p, mask=row_live, other=0)
+    xp3 = tl.load(x16_ptr + 3 * K8 + p, mask=row_live, other=0)
+    dots = _x16_word_dot(qw, xp0[:, None], xp1[:, None], xp2[:, None], xp3[:, None], TWO_GROUPS, USE_ASM)
+    R: tl.constexpr = rr.shape[0]
+    PER_ROW: tl.constexpr = ROW_GROUPS or R > 8  # rows of more than one block or group: convert each
+    blocks = x16_ptr + 6 * K8  # per block: scale bits, the sums of its first and second 32 rows
+    if PER_ROW:
+        sum_low = tl.load(x16_ptr + 4 * K8 + p, mask=row_live, other=0)  # [R] q summed over nibbles 0-3
+        sum_high = tl.load(x16_ptr + 5 * K8 + p, mask=row_live, other=0)
+        x_scale = tl.load(blocks + p // 8 * 8, mask=row_live, other=0).to(tl.float32, bitcast=True)  # [R]
+    else:  # one block: three scalars
+        sum_low = tl.load(blocks + first + 1)
+        sum_high = tl.load(blocks + first + 2)
+        x_scale = tl.load(blocks + first).to(tl.float32, bitcast=True)
+    if TWO_GROUPS:
+        low, high = dots
+        if PER_ROW:
+            rows = ((low - z * sum_low[:, None]).to(tl.float32) * s.to(tl.float32)
+                    + (high - z_high * sum_high[:, None]).to(tl.float32) * s_high.to(tl.float32))
+            total = tl.sum(rows * x_scale[:, None], axis=0)
+        else:  # one block: its two halves' zeros and scales a column
+            low_sum = tl.sum(low, axis=0) - tl.sum(z, axis=0) * sum_low  # [BN] int32
+            high_sum = tl.sum(high, axis=0) - tl.sum(z_high, axis=0) * sum_high
+            total = (low_sum.to(tl.float32) * tl.sum(s.to(tl.float32), axis=0)
+                     + high_sum.to(tl.float32) * tl.sum(s_high.to(tl.float32), axis=0)) * x_scale
+    elif PER_ROW:
+        rows = (dots - z * (sum_low + sum_high)[:, None]).to(tl.float32) * s
+        total = tl.sum(rows * x_scale[:, None], axis=0)
+    else:  # one block inside one group
+        block = tl.sum(dots, axis=0) - tl.sum(z, axis=0) * (sum_low + sum_high)  # [BN] int32
+        total = block.to(tl.float32) * (tl.sum(s, axis=0) * x_scale)
+    return total
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -365,6 +481,7 @@ def _gemv_kernel(
     scales_ptr,
     zeros_ptr,
     perm_ptr,
+    x16_ptr,
     out_ptr,
     part_ptr,
     squares_ptr,
@@ -406,8 +523,10 @@ def _gemv_kernel(
     ONE_STEP: tl.constexpr,
     PRESCALED: tl.constexpr,
     NEXT_NORM: tl.constexpr,
+    X16: tl.constexpr,
 ):
-    # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. ONE_STEP: each
+    # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. X16: the dot reads x
+    # in 16-bit fixed point from x16_ptr (reference.quantize_x16; x then gives only the rms). ONE_STEP: each
     # program's split is one K step of BLOCK_K >= k_per_split rows (masked past it), all loaded at once. The
     # one-step tile spreads its rows over the warps, so a thread's rows lie in different blocks and each loads
     # its own x words (SmolLM2 qkv 253 registers); mapping tile rows i and i + R / 2 to packed rows 2i and 2i + 1
@@ -431,13 +550,15 @@ def _gemv_kernel(
     # loads the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
     qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
-                                         n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM)
+                                         n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
     dot_ptr, squares = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
-    if ONE_STEP:
+    if ONE_STEP and X16:
+        y = _step_dot_x16(x16_ptr, K, k_start, k_end, rr, qw, s, s_high, zz, zm, True, ROW_GROUPS, TWO_GROUPS, USE_ASM)
+    elif ONE_STEP:
         y = _step_dot(dot_ptr, norm_ptr, perm_ptr, k_start, k_end, rr, qw, s, s_high, zz, zm, MUL_NORM, HAS_PERM, USE_ASM, True,
                       ROW_GROUPS, TWO_GROUPS)
     else:
@@ -449,9 +570,13 @@ def _gemv_kernel(
             qw_next, s_next, s_high_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
                                                              (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
                                                              ROW_GROUPS, TWO_GROUPS, False,
-                                                             USE_ASM)  # masked past the split's end
-            y += _step_dot(dot_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, MUL_NORM, HAS_PERM, USE_ASM, False,
-                           ROW_GROUPS, TWO_GROUPS)
+                                                             USE_ASM, X16)  # masked past the split's end
+            if X16:
+                y += _step_dot_x16(x16_ptr, K, k0, k_end, rr, qw, s, s_high, zz, zm, False, ROW_GROUPS, TWO_GROUPS,
+                                   USE_ASM)
+            else:
+                y += _step_dot(dot_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, MUL_NORM, HAS_PERM,
+                               USE_ASM, False, ROW_GROUPS, TWO_GROUPS)
             qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
     finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
@@ -577,6 +702,7 @@ def w4a16_gemv(
     silu: bool = False,
     rope: dict | None = None,
     bias: torch.Tensor | None = None,
+    x16: torch.Tensor | None = None,
     plan: GemvPlan | None = None,
 ) -> torch.Tensor:
     """y = x @ W for one row, with optional fused neighbours.
@@ -590,7 +716,9 @@ def w4a16_gemv(
     silu(gate) * up [1, N // 2]. rope: dict(positions [1], slot_mapping [1], cos_sin_cache [max_pos, D] fp32,
     k_cache, v_cache [blocks, block_size, KH, D], q_size, kv_size, head_dim; Qwen3 also q_norm, k_norm [D] and
     eps): W is qkv; writes rotary k and v to the slot and returns rotary q [1, q_size]. bias [N]: added to
-    y before any epilogue (Qwen2's qkv, Llama's optional o / MLP biases).
+    y before any epilogue (Qwen2's qkv, Llama's optional o / MLP biases). x16: the dot's row (x, or ``normed``
+    with a norm) in 16-bit fixed point, ``reference.quantize_x16``'s int32 planes [7, K // 8], which the dot reads
+    instead (integer DP2A products: fewer instructions a word than the half2 dot); x still gives the rms.
     """
     k = x.shape[1]
     n = qweight.shape[1]
@@ -600,6 +728,7 @@ def w4a16_gemv(
     if not gemv_supported(x, k, group_size):
         raise ValueError(f"w4a16_gemv: needs one fp16 row, K a multiple of 64 and a group size that is "
                          f"a multiple of 32 (x {tuple(x.shape)}, {x.dtype}, group {group_size})")
+    _check_x16(x16, k, perm, norm_weight, normed)
     x = x.contiguous()
     head_dim = rope["head_dim"] if rope is not None else None
     plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim, norm=norm_weight is not None)
@@ -608,8 +737,21 @@ def w4a16_gemv(
                              eps=eps, normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope,
                              bias=bias)
     _gemv_kernel[(cdiv(n, plan.block_n), splits)](
-        x, qweight, scales, zeros, perm if perm is not None else qweight, *launch.args, GROUP=group_size,
+        x, qweight, scales, zeros, perm if perm is not None else qweight, x16 if x16 is not None else qweight,
+        *launch.args, GROUP=group_size, X16=x16 is not None,
         HAS_PERM=perm is not None, USE_ASM=not interpreting(), BLOCK_N=plan.block_n, BLOCK_K=block_k,
         ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs, **_register_cap(plan, perm is not None),
     )
     return launch.out
+
+
+def _check_x16(x16: torch.Tensor | None, k: int, perm: torch.Tensor | None, norm_weight: torch.Tensor | None,
+               normed: torch.Tensor | None) -> None:
+    """x16 must be the dot's own row in ``quantize_x16``'s planes: not for act-order (x read through perm) nor
+    a norm the kernel would multiply in itself (without ``normed``)."""
+    if x16 is None:
+        return
+    if x16.shape != (X16_PLANES, k // 8) or x16.dtype != torch.int32 or not x16.is_contiguous():
+        raise ValueError(f"w4a16_gemv: x16 {tuple(x16.shape)} {x16.dtype} is not int32 [{X16_PLANES}, {k // 8}]")
+    if perm is not None or (norm_weight is not None and normed is None):
+        raise ValueError("w4a16_gemv: x16 is the dot's row as given: not with act-order, nor a norm without normed")
