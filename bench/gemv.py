@@ -234,10 +234,15 @@ def time_x16(args, copy_bw: float) -> None:
             x16 = quantize_x16(fused.get("normed", x))
             nbytes = weight_bytes(k, n, group)
             row = {"layer": name, "launch": launch, "shape": f"{k}x{n} g{group}"}
-            for per_sm in (None, 12, 16, 32):
+            grids = [(None, 64)] + [(per_sm, block_k) for per_sm in args.x16_warps for block_k in (64, 128)
+                                    if group >= 64 or block_k == 64]
+            for per_sm, block_k in grids:
                 plan = (gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False)) if per_sm is None else
-                        gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), warps_per_sm=per_sm))
-                tag = "default" if per_sm is None else f"{per_sm} warps/SM"
+                        gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), warps_per_sm=per_sm,
+                                  block_k=block_k))
+                if plan.one_step and per_sm is not None:
+                    continue
+                tag = "default" if per_sm is None else f"{per_sm} warps/SM k{block_k}"
                 for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
                     calls = [partial(w4a16_gemv, x, *w, group, plan=plan, **fused, **extra) for w in weights]
                     us = bench_graph(calls) * 1e3
@@ -253,6 +258,10 @@ def time_x16(args, copy_bw: float) -> None:
                     got = got * x.float().pow(2).mean().add(1e-5).rsqrt().reciprocal()
                 row[f"{dot} rel err"] = float((got - want).norm() / want.norm())
             row["x16 speed-up"] = round(row["half2 default us"] / row["x16 default us"], 3)
+            for dot in ("half2", "x16"):
+                timed = {key: us for key, us in row.items() if key.startswith(dot) and key.endswith(" us")}
+                best = min(timed, key=timed.get)
+                row[f"{dot} best"] = f"{best.removeprefix(dot + ' ').removesuffix(' us')}: {timed[best]}"
             print(json.dumps(row), flush=True)
             rows.append(row)
             del weights
@@ -338,6 +347,8 @@ def main() -> None:
     parser.add_argument("--fusions", action="store_true", help="only time the fused variants on 7B shapes")
     parser.add_argument("--dense", action="store_true", help="the fp16 GEMV against cuBLAS instead")
     parser.add_argument("--x16", action="store_true", help="the fused layer's launches, half2 dot against x16")
+    parser.add_argument("--x16-warps", default="12,16,32", type=lambda text: [int(v) for v in text.split(",")],
+                        help="with --x16: the grids (warps an SM) timed beside the default plan")
     args = parser.parse_args()
     if args.fusions:
         time_fusions()

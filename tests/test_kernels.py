@@ -248,6 +248,8 @@ def test_gpu_w4a16_gemv_x16(k, n, group_size, fusion, head_dim):
     shapes, plans and fusions against the reference, on fresh random data."""
     if "rope" in fusion and n % (4 * head_dim):
         pytest.skip("a rotary launch's N is q + k + v heads")
+    if "silu" in fusion and n == 4144:
+        pytest.skip("a SiLU launch's gate and up are whole column tiles")
     _cases().check_w4a16_gemv("cuda", k, n, group_size, False, fusion, head_dim=head_dim, x16=True)
 
 
