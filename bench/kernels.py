@@ -226,6 +226,34 @@ def bench_decode(copy_bw: float, out: list, extra: list, config: dict | None = N
         del sets
 
 
+SINGLE_STREAM_CONTEXTS = (128, 256, 512, 1024, 2048)  # batch-1 decode's contexts in bench/latency.py and chats
+
+
+def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
+    """Batch-1 decode attention at the short contexts of single-stream decoding, on a block table as wide as
+    the engine's graphs capture (``max_ctx``), over split counts: the default (``choose_splits``) against fixed
+    ones, so the in-kernel partitioning is timed where it matters for issue 15 (a layer's attention is one of
+    its five launches). Informational rows only."""
+    block_size = 16
+    for kv_heads in (32, 8):
+        k_cache = torch.randn(max_ctx // block_size, block_size, kv_heads, 128, dtype=DTYPE, device=DEV)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(max_ctx // block_size, device=DEV).to(torch.int32)[None, :]
+        q = torch.randn(1, 32, 128, dtype=DTYPE, device=DEV)
+        for ctx in SINGLE_STREAM_CONTEXTS:
+            lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+            times = {}
+            for splits in (None, 1, 2, 4, 8, 16):
+                ms = bench_graph([partial(decode_mod.decode_attention, q, k_cache, v_cache, table, lens, 128**-0.5,
+                                          num_splits=splits)])
+                times["default" if splits is None else f"{splits} splits"] = round(ms * 1e3, 2)
+            best = min(times, key=times.get)
+            extra.append(info(f"paged decode batch 1 x ctx {ctx}, {32}/{kv_heads} heads: default "
+                              f"({times['default']} us), best {best}", times[best], "us"))
+            print(json.dumps({"kv_heads": kv_heads, "ctx": ctx, **times}), flush=True)
+        del k_cache, v_cache
+
+
 def sdpa(q, k, v):
     kwargs = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
@@ -557,6 +585,7 @@ def main() -> None:
     sections = {
         "small": lambda: bench_small_ops(copy_bw, results),
         "decode": lambda: bench_decode(copy_bw, results, extra),
+        "decode1": lambda: bench_decode_single_stream(extra),
         "prefill": lambda: bench_prefill(results, extra),
         "w4a16": lambda: bench_w4a16(copy_bw, results, extra),
         "batched": lambda: bench_w4a16_batched(results, extra),
