@@ -154,3 +154,24 @@ def test_making_a_table_without_its_card_is_refused(tmp_path, missing):
     done = subprocess.run([sys.executable, str(ROOT / "bench/kernels.py"), *(v for kv in args.items() for v in kv)],
                           check=False, capture_output=True, text=True)
     assert done.returncode != 0 and "--tuned-from needs" in done.stderr
+
+
+def test_the_one_row_gemv_table_gives_valid_plans_of_its_grids():
+    """kernels/triton/tuned/w4a16_gemv.json: grids (warps an SM, K step) measured at M = 1; each gives the rule a
+    plan whose splits are whole K steps, and the grid it names is the one planned (12 warps an SM on the 7B qkv:
+    fewer, longer splits than the rule's 24)."""
+    from kernels.triton.w4a16_gemv import _k_steps, gemv_plan
+
+    table = load_table("w4a16_gemv")
+    assert H200 in table
+    for shape, by_rows in table[H200].items():
+        k, n = (int(v) for v in shape.split("x"))
+        tile = tuned_tile("w4a16_gemv", H200, k, n, 1)
+        assert set(by_rows) == {"1"} and set(tile) == {"warps_per_sm", "block_k"} and tile["block_k"] % 64 == 0
+        plan = gemv_plan(n, k, 128, 132, norm=True, warps_per_sm=tile["warps_per_sm"], block_k=tile["block_k"])
+        k_per_split, splits, block_k = _k_steps(k, 128, plan)
+        assert block_k == tile["block_k"] and k_per_split % block_k == 0
+        assert splits * plan.num_warps * (n // plan.block_n) <= 2 * tile["warps_per_sm"] * 132
+    rule = gemv_plan(12288, 4096, 128, 132, head_dim=128, norm=True)
+    tuned = gemv_plan(12288, 4096, 128, 132, head_dim=128, norm=True, warps_per_sm=12)
+    assert tuned.split < rule.split

@@ -38,6 +38,7 @@ import triton.language as tl
 from kernels.reference import X16_PLANES
 from kernels.triton.common import (
     cdiv,
+    device_name,
     gdc_launch_dependents,
     gdc_wait,
     interpreting,
@@ -52,6 +53,7 @@ from kernels.triton.gemv_epilogue import (
     finish_tile,
 )
 from kernels.triton.split_k import split_k
+from kernels.triton.tuned import tuned_tile
 from kernels.triton.w4a16_planes import _plane_rows
 
 
@@ -640,6 +642,20 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     return GemvPlan(block_n, block_k, split, warps, max_registers=LARGE_MATRIX_REGISTERS)
 
 
+def launch_plan(device: torch.device, n: int, k: int, group_size: int, head_dim: int | None = None,
+                norm: bool = False) -> GemvPlan:
+    """The plan a launch takes: ``gemv_plan``'s rule with the grid (warps an SM, K step) measured fastest for this
+    weight shape on this card, where ``tuned/w4a16_gemv.json`` has one (``bench/gemv.py --x16`` times grids of
+    both dots; an entry is a grid that served both: BENCHMARKS.md issue 15, session 19). On the H200 the
+    7B qkv launch took 14.3 us at the rule's 24 warps an SM and 11.7 at 12."""
+    sms = num_sms(device)
+    tuned = None if interpreting() else tuned_tile("w4a16_gemv", device_name(device), k, n, 1)
+    if tuned is None:
+        return gemv_plan(n, k, group_size, sms, head_dim, norm)
+    return gemv_plan(n, k, group_size, sms, head_dim, norm, warps_per_sm=tuned["warps_per_sm"],
+                     block_k=tuned["block_k"])
+
+
 def _one_step_split(k: int, split: int) -> tuple[int, int, int]:
     """(rows per split, splits, K step) of a one-step plan: K cut into ``split`` parts of whole 64-row blocks (a
     packed row's nibbles span its block), each loaded as one step of the next power of two rows (masked past the
@@ -731,7 +747,7 @@ def w4a16_gemv(
     _check_x16(x16, k, perm, norm_weight, normed)
     x = x.contiguous()
     head_dim = rope["head_dim"] if rope is not None else None
-    plan = plan or gemv_plan(n, k, group_size, num_sms(x.device), head_dim, norm=norm_weight is not None)
+    plan = plan or launch_plan(x.device, n, k, group_size, head_dim, norm=norm_weight is not None)
     k_per_split, splits, block_k = _k_steps(k, group_size, plan)
     launch = epilogue_launch("w4a16_gemv", x, qweight, n, plan.block_n, k_per_split, splits, norm_weight=norm_weight,
                              eps=eps, normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope,
