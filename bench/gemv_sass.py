@@ -32,7 +32,8 @@ EPILOGUES = {"store": STORE, "residual": RESIDUAL, "silu": SILU, "rope": ROPE}
 def compile_gemv(args: argparse.Namespace, plan: GemvPlan):
     """The GEMV specialized as the engine launches it for a K x N weight (Triton's CompiledKernel)."""
     values = gemv_args(args.k, args.n, args.group, plan, epilogue=EPILOGUES[args.epilogue], norm=args.norm,
-                       prescaled=args.prescaled, next_norm=args.next_norm, x16=args.x16)
+                       prescaled=args.prescaled, next_norm=args.next_norm, x16=args.x16,
+                        x16_out=args.x16_out)
     return compile_source(_gemv_kernel, values, num_warps=args.warps, num_stages=1, maxnreg=plan.max_registers)
 
 
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--one-step", action="store_true", help="each split in one masked K step")
     parser.add_argument("--max-registers", type=int, default=None, help="ptxas's cap (the plan's max_registers)")
     parser.add_argument("--x16", action="store_true", help="the integer dot over x in 16-bit fixed point")
+    parser.add_argument("--x16-out", action="store_true", help="with --next-norm or silu: the row also as x16")
     parser.add_argument("--sass", help="also write the whole disassembly here")
     args = parser.parse_args()
     plan = GemvPlan(args.block_n, args.block_k, args.splits, args.warps, one_step=args.one_step,

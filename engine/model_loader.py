@@ -20,7 +20,7 @@ from engine.config import GEMMA3, ModelConfig, check_context_limit, read_folder_
 from engine.errors import EngineError
 from engine.layers.linear import Linear, RowParallelLinear, Weight, column_shard, row_shard
 from engine.layers.rotary import cos_sin_cache
-from engine.models.fused_decode import fused_decode_unsupported
+from engine.models.fused_decode import fused_decode_unsupported, x16_rows_supported
 from engine.models.gemma3 import Gemma3Model, unit_offset_norm_weight
 from engine.models.llama import DecoderLayer, LlamaModel
 from engine.parallel import TPGroup, TPShard, check_divides
@@ -208,10 +208,11 @@ def read_config_dict(model_dir: Path) -> dict:
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backend: Backend,
                max_positions: int, log: Callable[[str], None] = lambda m: None, fuse_decode: bool = True,
-               tp: TPGroup | None = None) -> LlamaModel:
+               tp: TPGroup | None = None, x16_rows: bool = True) -> LlamaModel:
     """Read config + weights into a LlamaModel on ``device`` in ``dtype`` (activations; int4 stays packed).
     ``fuse_decode``: one-sequence decode steps use the fused layer when the Triton kernels run and the model
-    allows it (engine/models/fused_decode.py). ``tp``: load this rank's shard of a tensor-parallel group; the
+    allows it (engine/models/fused_decode.py), with ``x16_rows`` its int4 rows in 16-bit fixed point where
+    that pays (``x16_rows_supported``). ``tp``: load this rank's shard of a tensor-parallel group; the
     model's config then holds the per-rank head counts and MLP width."""
     raw = read_config_dict(model_dir)
     cfg = ModelConfig.from_dict(raw)
@@ -247,5 +248,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
     if backend.use_triton and fuse_decode:  # the reference backend keeps its dense CPU weights for every step
         reason = fused_decode_unsupported(model)
         model.fuse_one_row_decode = reason is None
-        log("one-sequence decode: fused layer" if reason is None else f"one-sequence decode: unfused ({reason})")
+        model.one_row_x16 = reason is None and x16_rows and x16_rows_supported(model)
+        log("one-sequence decode: " + ("unfused ({reason})" if reason is not None else
+                                       "fused layer, int4 rows in 16-bit fixed point" if model.one_row_x16 else
+                                       "fused layer").format(reason=reason))
     return model

@@ -117,7 +117,7 @@ class ModelRunner:
                 self.model = self._load_tensor_parallel(model_dir, max_model_len)
             else:
                 self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
-                                        fuse_decode=args.fused_decode)
+                                        fuse_decode=args.fused_decode, x16_rows=args.x16_rows)
             self.load_seconds = time.perf_counter() - started
             self._size_and_allocate(max_model_len)
         except torch.OutOfMemoryError as error:

@@ -234,9 +234,10 @@ def quantize_x16(x: torch.Tensor) -> torch.Tensor:
     if k % INT4_BLOCK:
         raise ValueError(f"quantize_x16: K = {k} is not a multiple of {INT4_BLOCK}")
     blocks = x.reshape(k // INT4_BLOCK, INT4_BLOCK).float()  # [B, 64]
-    scale = blocks.abs().amax(dim=1) / X16_MAX  # [B]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / safe[:, None]).clamp(-X16_MAX, X16_MAX).to(torch.int64)  # [B, 64]
+    amax = blocks.abs().amax(dim=1)  # [B]
+    scale = amax / X16_MAX
+    inv = torch.where(amax > 0, X16_MAX / torch.where(amax > 0, amax, 1.0), 0.0)  # as the kernels compute it
+    q = torch.round(blocks * inv[:, None]).clamp(-X16_MAX, X16_MAX).to(torch.int64)  # [B, 64], to nearest even
     q = q.reshape(-1, 8, 8)  # [B, nibble j, w]: row 64b + 8j + w
 
     def pair(lo: int, hi: int) -> torch.Tensor:  # [B, 8]: the int16 pair (nibble lo's row, nibble hi's row)
@@ -276,7 +277,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                normed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, silu: bool = False,
-               rope: dict | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               rope: dict | None = None, bias: torch.Tensor | None = None, x16: torch.Tensor | None = None,
+               x16_out: torch.Tensor | None = None) -> torch.Tensor:
     """One-row W4A16 matmul with the decode layer's neighbours fused, as the unfused ops compute it.
 
     x: [1, K]. ``norm_weight`` [K]: x is RMS-normalised first (``rms_norm(x, norm_weight, eps)[0]``). ``normed``
@@ -287,13 +289,21 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     columns; returns ``silu_and_mul(y)`` [1, N // 2]. ``rope``: the weight is qkv; dict(positions [1],
     slot_mapping [1], cos_sin_cache, k_cache, v_cache, q_size, kv_size, head_dim; with q_norm, k_norm and eps,
     Qwen3's per-head RMSNorm of q and k first): rotary q and k, k and v written to the slot, returns q [1, q_size].
-    Otherwise returns y [1, N]. ``bias`` [N] is added to y before any of these.
+    Otherwise returns y [1, N]. ``bias`` [N] is added to y before any of these. ``x16``: the dot's row (x, or
+    ``normed``) as ``quantize_x16`` gives it, which a kernel's integer dot reads (checked here: the contract; the
+    product is taken from x as without it); ``x16_out`` (with ``next_norm`` or ``silu``): gets ``quantize_x16``
+    of the row written for the next launch.
     """
     def matmul(row: torch.Tensor) -> torch.Tensor:
         return w4a16_matmul(row, qweight, scales, zeros, group_size, perm)
 
-    return _fused_one_row(x, matmul, norm_weight=norm_weight, eps=eps, normed=normed, residual=residual,
-                          next_norm=next_norm, silu=silu, rope=rope, bias=bias)
+    if x16 is not None and not torch.equal(x16, quantize_x16(normed if normed is not None else x)):
+        raise ValueError("one-row GEMV: x16 must be quantize_x16 of the dot's row (the previous launch's x16_out)")
+    out = _fused_one_row(x, matmul, norm_weight=norm_weight, eps=eps, normed=normed, residual=residual,
+                         next_norm=next_norm, silu=silu, rope=rope, bias=bias)
+    if x16_out is not None:
+        x16_out.copy_(quantize_x16(next_norm[1] if next_norm is not None else out))
+    return out
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,

@@ -107,9 +107,11 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                perm: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                normed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, silu: bool = False,
-               rope: dict | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               rope: dict | None = None, bias: torch.Tensor | None = None, x16: torch.Tensor | None = None,
+               x16_out: torch.Tensor | None = None) -> torch.Tensor:
     return gemv.w4a16_gemv(x, qweight, scales, zeros, group_size, perm, norm_weight=norm_weight, eps=eps,
-                           normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope, bias=bias)
+                           normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope, bias=bias,
+                           x16=x16, x16_out=x16_out)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,

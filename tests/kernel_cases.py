@@ -318,21 +318,49 @@ def check_w4a16_gemv(device: str, k: int, n: int, group_size: int, act_order: bo
                      head_dim: int = 32, plan=None, bias: bool = False, x16: bool = False) -> None:
     """The M = 1 GEMV (kernels/triton/w4a16_gemv.py), alone or with a fused neighbour (``check_one_row``):
     the half2 dot, or with ``x16`` the integer dot over the dot's row in 16-bit fixed point."""
-    from kernels.triton.w4a16_gemv import w4a16_gemv
+    from kernels.triton.w4a16_gemv import launch_plan, w4a16_gemv
 
     qweight, scales, zeros = random_int4(device, torch.float16, k, n, group_size)
     perm = torch.randperm(k, device=device) if act_order else None
 
     def launch(x, **fused):
-        if x16:  # the dot's row: x, or x * norm weight as the launch before wrote it
-            fused["x16"] = ref.quantize_x16(fused.get("normed", x))
-        return w4a16_gemv(x, qweight, scales, zeros, group_size, perm, plan=plan, **fused)
+        if not x16:
+            return w4a16_gemv(x, qweight, scales, zeros, group_size, perm, plan=plan, **fused)
+        fused["x16"] = ref.quantize_x16(fused.get("normed", x))  # the dot's row: x, or x * norm weight
+        tiles = plan or launch_plan(x.device, n, k, group_size, fused["rope"]["head_dim"] if "rope" in fused else None,
+                                    norm="norm_weight" in fused)
+        # the row for the next launch, where its tiles are whole 64-column blocks (large-matrix plans)
+        writes_row = ("next_norm" in fused or fused.get("silu", False)) and tiles.block_n % 64 == 0
+        width = n // 2 if fused.get("silu", False) else n
+        x16_out = torch.full((ref.X16_PLANES, width // 8), -7, dtype=torch.int32, device=device) if writes_row else None
+        out = w4a16_gemv(x, qweight, scales, zeros, group_size, perm, plan=plan, x16_out=x16_out, **fused)
+        if writes_row:  # the row written for the next launch, also in 16-bit fixed point
+            check_x16_planes(x16_out, fused["next_norm"][1] if "next_norm" in fused else out)
+        return out
 
     def exact(x):  # in x's (wide) dtype
         return ref.w4a16_matmul(x, qweight, scales, zeros, group_size, perm)
 
     check_one_row(device, k, n, fusion, launch, exact, head_dim, bias,
                   f"w4a16 gemv {fusion} K={k} N={n} G={group_size} act_order={act_order} bias={bias}")
+
+
+def check_x16_planes(x16: torch.Tensor, row: torch.Tensor) -> None:
+    """A kernel's ``x16_out`` against ``reference.quantize_x16`` of the row it wrote: the same block scales (bit
+    for bit), every q within 1 of the reference's (the kernel's multiply may fuse with its rounding add), and
+    the sums of its own q in planes 4-6 (the integer dot's zero-point term reads them)."""
+    want = ref.quantize_x16(row)
+    assert torch.equal(x16[6].reshape(-1, 8)[:, 0], want[6].reshape(-1, 8)[:, 0]), "x16 block scales"
+    step = want[6].reshape(-1, 8)[:, 0].contiguous().view(torch.float32).repeat_interleave(64)
+    got_values, want_values = ref.dequantize_x16(x16), ref.dequantize_x16(want)
+    assert ((got_values - want_values).abs() <= step * 1.0001).all(), "x16 values more than one step off"
+    q = torch.round(got_values.reshape(-1, 64) / torch.where(step > 0, step, 1.0).reshape(-1, 64)).long()
+    halves = q.reshape(-1, 2, 4, 8).sum(dim=2)  # [B, half, w]: rows 64b + 8j + w, j in half
+    assert torch.equal(x16[4].reshape(-1, 8).long(), halves[:, 0]) and torch.equal(x16[5].reshape(-1, 8).long(),
+                                                                                   halves[:, 1]), "x16 row sums"
+    blocks = x16[6].reshape(-1, 8)
+    assert torch.equal(blocks[:, 1].long(), halves[:, 0].sum(dim=1)), "x16 block sums"
+    assert torch.equal(blocks[:, 2].long(), halves[:, 1].sum(dim=1)), "x16 block sums"
 
 
 def check_dense_gemv(device: str, k: int, n: int, fusion: str, head_dim: int = 32, plan=None,
@@ -628,24 +656,27 @@ def test_w4a16_gemv(fusion, group_size, act_order, bias):
 
 
 @pytest.mark.parametrize(
-    "fusion,group_size,plan",
-    [("plain", 32, None), ("prescaled-norm+silu", 128, None), ("residual+next-norm", 64, None),
-     ("rope", 32, None), ("prescaled-norm+rope", 128, None), ("plain", 128, (32, 128, 1, False)),
-     ("residual", 32, (32, 128, 2, False)), ("plain", 64, (16, 64, 3, False)), ("residual", 32, (16, 0, 2, True)),
-     ("plain", 128, (16, 0, 1, True)), ("silu", 96, None)],
+    "fusion,group_size,plan,n",
+    [("plain", 32, None, 64), ("prescaled-norm+silu", 128, (64, 64, 2, False), 256),
+     ("residual+next-norm", 64, (128, 64, 2, False), 192), ("residual+next-norm", 32, (64, 0, 1, True), 128),
+     ("rope", 32, None, 128), ("prescaled-norm+rope", 128, None, 128), ("plain", 128, (32, 128, 1, False), 64),
+     ("residual", 32, (32, 128, 2, False), 64), ("plain", 64, (16, 64, 3, False), 64),
+     ("residual", 32, (16, 0, 2, True), 64), ("plain", 128, (16, 0, 1, True), 64), ("silu", 96, (64, 64, 2, False), 256)],
 )
-def test_w4a16_gemv_x16(fusion, group_size, plan):
+def test_w4a16_gemv_x16(fusion, group_size, plan, n):
     """The integer dot over x in 16-bit fixed point: one-block steps (a zero and scale a column, the rows
     summed as integers; at group 32 each half of a block its own group), wider steps and one-step plans (each
     row converted with its block's scale; masked rows past an uneven split of K = 320), fused epilogues as the
-    engine launches them (the norms prescaled)."""
+    engine launches them (the norms prescaled). A launch that writes the next one's row (next norm, SiLU) also
+    writes it in 16-bit fixed point, checked against the reference (``check_x16_planes``): through partials and
+    from one split, an edge tile half past N = 192."""
     from kernels.triton.w4a16_gemv import GemvPlan
 
     k = 384 if group_size in (96, 128) else 320
     if plan is not None:
         block_n, block_k, split, one_step = plan
         plan = GemvPlan(block_n=block_n, block_k=block_k, split=split, num_warps=1, one_step=one_step)
-    check_w4a16_gemv("cpu", k, 128 if "rope" in fusion else 64, group_size, False, fusion, plan=plan, x16=True)
+    check_w4a16_gemv("cpu", k, n, group_size, False, fusion, plan=plan, x16=True)
 
 
 def test_x16_round_trip():

@@ -14,7 +14,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.model_loader import load_model
-from engine.models.fused_decode import fused_decode_unsupported
+from engine.models.fused_decode import fused_decode_unsupported, x16_rows_supported
 from kernels.ops import Backend
 
 BLOCK_SIZE = 16
@@ -42,9 +42,13 @@ def _batch(token_ids: list[int], start: int, block_table: list[int], device) -> 
         logits_indices=torch.tensor([n - 1], device=device), is_decode=n == 1)
 
 
-def _decode_logits(model, caches, token_ids, steps: int, fused: bool, device) -> tuple[torch.Tensor, list]:
-    """Prefill ``token_ids`` unfused, then ``steps`` greedy decode steps with the fused layer on or off;
-    returns the decode logits [steps, vocab] and the caches."""
+def _decode_logits(model, caches, token_ids, steps: int, fused: bool, device,
+                   x16: bool | None = None) -> tuple[torch.Tensor, list]:
+    """Prefill ``token_ids`` unfused, then ``steps`` greedy decode steps with the fused layer on or off (and
+    with ``x16`` set, its int4 rows in 16-bit fixed point or not); returns the decode logits [steps, vocab] and
+    the caches."""
+    if x16 is not None:
+        model.one_row_x16 = x16
     caches = [(k.clone(), v.clone()) for k, v in caches]
     model.bind_kv_caches(caches)
     table = [3, 1, 4, 0, 2]  # scattered blocks: slots must follow the table
@@ -62,13 +66,15 @@ def _decode_logits(model, caches, token_ids, steps: int, fused: bool, device) ->
     return torch.stack(rows), caches
 
 
-def _compare(model_dir, device: str, dtype: torch.dtype, backend: Backend, atol: float, steps: int = 4) -> None:
-    """The unfused decode against the fused one."""
+def _compare(model_dir, device: str, dtype: torch.dtype, backend: Backend, atol: float, steps: int = 4,
+             x16: bool | None = None) -> None:
+    """The unfused decode against the fused one (``x16``: with its int4 rows in 16-bit fixed point or not;
+    None: as loaded)."""
     model = load_model(model_dir, torch.device(device), dtype, backend, max_positions=256)
     caches = _caches(model, 5, device)
     prompt = torch.randint(5, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     unfused, caches_unfused = _decode_logits(model, caches, prompt, steps, False, device)
-    fused, caches_fused = _decode_logits(model, caches, prompt, steps, True, device)
+    fused, caches_fused = _decode_logits(model, caches, prompt, steps, True, device, x16)
     assert model.fuse_one_row_decode and torch.isfinite(fused).all()
     assert (fused - unfused).abs().max().item() <= atol
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
@@ -81,6 +87,17 @@ def test_fused_decode_matches_unfused_on_cpu(awq_model_dir):
     # in float32 (the wiring is under test; the GPU kernel's fp16 arithmetic is checked on the GPU): equal up to
     # the summation order of the two CPU matmul paths
     _compare(awq_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
+
+
+def test_fused_decode_passes_the_int4_rows_in_16_bit_fixed_point_on_cpu(awq_model_dir):
+    # o and down write the next norm's input as x16 planes, gate/up silu(gate) * up, and qkv (after layer 0),
+    # gate/up and down read them: the reference backend checks each read planes are quantize_x16 of the row the
+    # launch's dot takes, so a plane fed to the wrong launch fails here. The tiny model's matrices are below
+    # the kernels' large-matrix plans, so the loader leaves x16 off and the test turns it on
+    model = load_model(awq_model_dir, torch.device("cpu"), torch.float16, Backend(use_triton=False),
+                       max_positions=64)
+    assert fused_decode_unsupported(model) is None and not x16_rows_supported(model)
+    _compare(awq_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3, x16=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
@@ -136,5 +153,6 @@ def test_fused_decode_matches_unfused_on_gpu(shape, quant):
     model_dir = build_model(DEFAULT_MODELS_DIR, BuildSpec(shape, quant), "cuda")
     model = load_model(model_dir, torch.device("cuda"), torch.float16, Backend(use_triton=True), max_positions=64)
     assert fused_decode_unsupported(model) is None and model.fuse_one_row_decode
+    assert model.one_row_x16 == (shape == "llama2-7b")  # the 7B's int4 rows in 16-bit fixed point
     del model
     _compare(model_dir, "cuda", torch.float16, Backend(use_triton=True), atol=0.25)

@@ -125,6 +125,33 @@ def test_gemv_main_loop_stays_within_its_instruction_budget():
     assert resource_usage(compiled.asm["cubin"]).spilled_bytes == 0, plan
 
 
+X16_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue, rows written for the next launch): the 7B's fused
+    # layer with its int4 rows in 16-bit fixed point (engine/models/fused_decode.py)
+    ("7b-qkv", 4096, 12288, ROPE, True, False),
+    ("7b-o", 4096, 4096, RESIDUAL, False, True),
+    ("7b-gate/up", 4096, 22016, SILU, True, True),
+    ("7b-down", 11008, 4096, RESIDUAL, False, True),
+]
+
+
+@pytest.mark.parametrize(("name", "k", "n", "epilogue", "norm", "x16_out"), X16_LAUNCHES,
+                         ids=[v[0] for v in X16_LAUNCHES])
+def test_x16_launches_compile_within_their_instruction_budget(name, k, n, epilogue, norm, x16_out):
+    """The integer dot (DP2A over x in 16-bit fixed point) as the fused layer launches it, with the epilogue
+    that writes the next row's planes: no spills past the plan's cap, and a K loop of at most 15 instructions a
+    word (13.2 under Triton 3.6, against 20.9 for the half2 dot: BENCHMARKS.md issue 15, session 19)."""
+    rope = {"Q_SIZE": 4096, "KV_SIZE": 4096, "HEAD_DIM": 128} if epilogue == ROPE else None
+    plan = gemv_plan(n, k, 128, 132, head_dim=128 if rope else None, norm=norm)
+    args = gemv_args(k, n, 128, plan, epilogue=epilogue, norm=norm, rope_sizes=rope, prescaled=norm,
+                     next_norm=epilogue == RESIDUAL, x16=True, x16_out=x16_out)
+    compiled = compile_source(_gemv_kernel, args, plan.num_warps, num_stages=1, maxnreg=plan.max_registers)
+    loop = main_loop(disassemble(compiled.asm["cubin"]))
+    words = plan.block_k // 8 * plan.block_n // (32 * plan.num_warps)
+    assert len(loop) / words <= 15, f"{name}: {len(loop)} instructions for {words} words a thread ({plan})"
+    assert any("IDP.2A" in line for line in loop), f"{name}: no DP2A in the K loop"
+    assert resource_usage(compiled.asm["cubin"]).spilled_bytes <= CAPPED_SPILL_BYTES, name
+
+
 DENSE_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue, rotary sizes): as the fused layer launches them
     # (the norm's input read prescaled, but in the first layer's qkv)
     ("7b-qkv", 4096, 12288, ROPE, True, {"Q_SIZE": 4096, "KV_SIZE": 4096, "HEAD_DIM": 128}),  # fp16 Llama-2-7B

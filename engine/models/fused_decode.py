@@ -23,7 +23,9 @@ import torch
 from engine.config import GEMMA3
 from engine.forward_batch import ForwardBatch
 from engine.layers.linear import Linear, PackedInt4
+from kernels.reference import X16_PLANES
 from kernels.triton.dense_gemv import dense_weight_unsupported
+from kernels.triton.w4a16_gemv import gemv_large_matrix
 
 
 def fused_decode_unsupported(model) -> str | None:
@@ -67,6 +69,22 @@ def _linear_unsupported(linear: Linear) -> str | None:
     return None
 
 
+def x16_rows_supported(model) -> bool:
+    """Whether the fused layer's int4 GEMVs read their rows in 16-bit fixed point (kernels/triton/w4a16_gemv.py's
+    integer dot: 1.03-1.13x the half2 dot's speed on the 7B and 8B launches, BENCHMARKS.md issue 15, session 19):
+    every linear packed int4 without act-order (x is read as given) and large enough for the GEMV's large-matrix
+    plans, whose 128-column tiles let o, gate/up and down write the next row's planes (a 64-row block's scale is
+    one tile's). Small models keep the half2 dot (SmolLM2's launches: 0.95-1.08x, one-step tiles of 32)."""
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            linear = getattr(layer, name)
+            weight = linear.parts[0]
+            if (len(linear.parts) != 1 or not isinstance(weight, PackedInt4) or weight.perm is not None
+                    or not gemv_large_matrix(weight.in_features, weight.out_features)):
+                return False
+    return True
+
+
 def _gemv(model, linear: Linear, x: torch.Tensor, **fused) -> torch.Tensor:
     weight = linear.parts[0]
     if isinstance(weight, PackedInt4):
@@ -85,6 +103,7 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
     residual = model.embed_tokens[batch.input_ids]  # [1, hidden], updated in place by o and down
     layers = model.layers
     normed = torch.empty_like(residual)  # [1, hidden]: the next norm's x * weight, written by o and down
+    rows = _x16_rows(model, residual.device)  # {} or the planes of normed and of silu(gate) * up
     for index, layer in enumerate(layers):
         k_cache, v_cache = model.kv_caches[index]
         rope = {"positions": batch.positions, "slot_mapping": batch.slot_mapping, "cos_sin_cache": model.cos_sin_cache,
@@ -93,16 +112,40 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before rotary, in the same epilogue
             rope.update(q_norm=layer.q_norm, k_norm=layer.k_norm, eps=eps)
         q = _gemv(model, layer.qkv_proj, residual, norm_weight=layer.input_layernorm, eps=eps,
-                  normed=normed if index else None, rope=rope)  # [1, q_size]; layer 0 forms x * weight itself
+                  normed=normed if index else None, rope=rope,
+                  **_reads(rows, "normed", index > 0))  # [1, q_size]; layer 0 forms x * weight itself
         attn = model.backend.paged_decode_attention(q.view(1, cfg.num_heads, cfg.head_dim), k_cache, v_cache,
                                                     batch.block_tables, batch.context_lens, scale,
                                                     cfg.window_of(index))
         _gemv(model, layer.o_proj, attn.reshape(1, q_size), residual=residual,
-              next_norm=(layer.post_attention_layernorm, normed))
+              next_norm=(layer.post_attention_layernorm, normed), **_writes(rows, "normed", True))
         act = _gemv(model, layer.gate_up_proj, residual, norm_weight=layer.post_attention_layernorm, eps=eps,
-                    normed=normed, silu=True)  # [1, intermediate]
+                    normed=normed, silu=True, **_reads(rows, "normed", True),
+                    **_writes(rows, "act", True))  # [1, intermediate]
         last = index + 1 == len(layers)  # the last down writes the final norm's input for the head
         _gemv(model, layer.down_proj, act, residual=residual,
-              next_norm=(model.norm if last else layers[index + 1].input_layernorm, normed))
+              next_norm=(model.norm if last else layers[index + 1].input_layernorm, normed),
+              **_reads(rows, "act", True), **_writes(rows, "normed", not last))
     logits = model.backend.dense_gemv(residual, model.lm_head, norm_weight=model.norm, eps=eps, normed=normed)
     return logits.float()  # [1, vocab]
+
+
+def _x16_rows(model, device: torch.device) -> dict:
+    """The step's planes of the rows the int4 GEMVs read in 16-bit fixed point (``x16_rows_supported``): "normed"
+    (the next norm's input, written by o and down) and "act" (silu(gate) * up, written by gate/up), int32
+    [X16_PLANES, width / 8]; {} where the layer keeps the half2 dot."""
+    if not model.one_row_x16:
+        return {}
+    cfg = model.config
+    return {"normed": torch.empty((X16_PLANES, cfg.hidden_size // 8), dtype=torch.int32, device=device),
+            "act": torch.empty((X16_PLANES, cfg.intermediate_size // 8), dtype=torch.int32, device=device)}
+
+
+def _reads(rows: dict, name: str, ready: bool) -> dict:
+    # a GEMV's x16 argument: the planes ``name`` where they were written for it
+    return {"x16": rows[name]} if rows and ready else {}
+
+
+def _writes(rows: dict, name: str, needed: bool) -> dict:
+    # a GEMV's x16_out argument: the planes ``name`` where a later launch reads them
+    return {"x16_out": rows[name]} if rows and needed else {}

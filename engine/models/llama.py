@@ -58,6 +58,7 @@ class LlamaModel:
     cos_sin_cache: torch.Tensor  # [max_positions, rotary_dim] float32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     fuse_one_row_decode: bool = False  # one-sequence decode steps run engine/models/fused_decode.py
+    one_row_x16: bool = False  # ... with the int4 GEMVs' rows in 16-bit fixed point (fused_decode.x16_rows_supported)
     tp: TPGroup | None = None  # the tensor-parallel group this rank's shard belongs to (None: the whole model)
     vocab_start: int = 0  # tensor parallel: the first token id of this rank's embedding and head rows
 

@@ -63,6 +63,7 @@ def _dense_gemv_kernel(
     normed_ptr,
     next_norm_ptr,
     normed_out_ptr,
+    x16_out_ptr,
     N,
     K,
     k_per_split,
@@ -83,6 +84,7 @@ def _dense_gemv_kernel(
     NORM_BLOCK: tl.constexpr,
     PRESCALED: tl.constexpr,
     NEXT_NORM: tl.constexpr,
+    X16_OUT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -129,9 +131,10 @@ def _dense_gemv_kernel(
         w = w_next
     y = tl.sum(acc, axis=1)  # [BN]; with NORM, still to be scaled by 1 / rms(x)
     finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-                k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, rn, n_mask, N, K,
+                k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
+                K,
                 splits, lock_rest, eps, qk_eps, NORM, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, HAS_BIAS, SPLITS,
-                NORM_BLOCK, NEXT_NORM, BLOCK_N)
+                NORM_BLOCK, NEXT_NORM, X16_OUT, BLOCK_N)
 
 
 @dataclass(frozen=True)

@@ -153,12 +153,49 @@ def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_pt
     tl.store(v_cache_ptr + slot * KV_SIZE + v_col, t.to(tl.float16), mask=live & is_v)
 
 
+X16_ROUND: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: + and - it round an fp32 below 2^22 to even
+
+
+@triton.jit
+def store_x16(values, cols, n, x16_ptr, BLOCK_N: tl.constexpr):
+    # the tile's values [BN] (fp32 holding the fp16 stored at columns ``cols``, contiguous from a multiple of 64)
+    # written in 16-bit fixed point as kernels/reference.py's quantize_x16 lays out a row of n: the planes
+    # [7, n / 8] the next GEMV's integer dot reads. A 64-column block lies wholly in one tile, so its largest
+    # |value| is known here; blocks at or past n are not written. Column 64 blk + 8 j + w, with nibble
+    # j = 4a + 2b + c, is half b of pair plane 2a + c at packed row 8 blk + w
+    B: tl.constexpr = BLOCK_N // 64
+    K8 = n // 8
+    v = tl.reshape(values, [B, 2, 2, 2, 8])  # [blk, a, b, c, w]
+    col = tl.reshape(cols, [B, 2, 2, 2, 8])
+    amax = tl.max(tl.reshape(tl.abs(values), [B, 64]), axis=1)  # [B]
+    inv = tl.where(amax > 0.0, 32767.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)[:, None, None, None, None]
+    scaled = tl.where(inv > 0.0, v * inv, 0.0)  # (a select between: no FMA with the rounding add below)
+    q = ((scaled + X16_ROUND) - X16_ROUND).to(tl.int32)  # |q| <= 32767, rounded to nearest even
+    low, high = tl.split(tl.permute(q, (0, 1, 3, 4, 2)))  # [blk, a, c, w]: halves b = 0 and 1
+    pair_col, _ = tl.split(tl.permute(col, (0, 1, 3, 4, 2)))  # the column of each low half
+    j = pair_col % 64 // 8
+    row = pair_col // 64 * 8 + pair_col % 8  # packed row
+    tl.store(x16_ptr + (2 * (j // 4) + j % 2) * K8 + row, (low & 0xFFFF) | (high << 16), mask=pair_col < n)
+    halves = tl.sum(tl.sum(q, axis=3), axis=2)  # [blk, a, w]: q over a packed row's nibbles of half a
+    half_col = tl.min(tl.min(col, axis=3), axis=2)  # 64 blk + 32 a + w
+    tl.store(x16_ptr + (4 + half_col % 64 // 32) * K8 + half_col // 64 * 8 + half_col % 8, halves,
+             mask=half_col < n)
+    block_col = tl.min(tl.reshape(cols, [B, 64]), axis=1)  # [B]
+    blocks = x16_ptr + 6 * K8 + block_col // 8  # at the block's first packed row: scale bits, the halves' sums
+    live = block_col < n
+    tl.store(blocks, (amax / 32767.0).to(tl.int32, bitcast=True), mask=live)
+    sums = tl.sum(halves, axis=2)  # [blk, a]
+    low_sum, high_sum = tl.split(sums)
+    tl.store(blocks + 1, low_sum, mask=live)
+    tl.store(blocks + 2, high_sum, mask=live)
+
+
 @triton.jit
 def one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                       q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
+                       q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr,
                        EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                        QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       NEXT_NORM: tl.constexpr):
+                       NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr):
     # one split: the program holds its tile's whole product y [BN]. STORE / RESIDUAL finish from registers;
     # ROPE needs each column's rotary partner, held by another thread of the program, so the tile goes through
     # the partial buffer and a barrier (one L2 round trip, no ticket)
@@ -169,31 +206,36 @@ def one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr
                        v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, 1.0, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
                        QK_NORM, BLOCK_N, HAS_BIAS)
     else:
-        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr,
-                    EPILOGUE, NEXT_NORM)
+        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, N, next_norm_ptr,
+                    normed_out_ptr, x16_out_ptr, EPILOGUE, NEXT_NORM, X16_OUT, BLOCK_N)
 
 
 @triton.jit
-def _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE: tl.constexpr,
-                NEXT_NORM: tl.constexpr):
+def _store_tile(total, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE: tl.constexpr,
+                NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
     # STORE / RESIDUAL: the tile's fp16-rounded product total [BN] (fp32) stored, or added into the residual;
     # NEXT_NORM (RESIDUAL): the new residual times the next RMSNorm's weight also stored, in fp16 (the product of
-    # two fp16 values is exact in fp32: one rounding, as the next GEMV's own half2 multiply would give)
+    # two fp16 values is exact in fp32: one rounding, as the next GEMV's own half2 multiply would give); X16_OUT:
+    # that row also in 16-bit fixed point (``store_x16``), the next GEMV's integer dot's input
     if EPILOGUE == RESIDUAL:
         total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     stored = total.to(tl.float16)
     tl.store(out_ptr + rn, stored, mask=n_mask)
     if NEXT_NORM:
         weight = tl.load(next_norm_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(normed_out_ptr + rn, (stored.to(tl.float32) * weight).to(tl.float16), mask=n_mask)
+        normed = (stored.to(tl.float32) * weight).to(tl.float16)
+        tl.store(normed_out_ptr + rn, normed, mask=n_mask)
+        if X16_OUT:
+            store_x16(normed.to(tl.float32), rn, N, x16_out_ptr, BLOCK_N)
 
 
 @triton.jit
 def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
                    out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps,
-                   bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr,
-                   KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NEXT_NORM: tl.constexpr):
+                   bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, K, eps, EPILOGUE: tl.constexpr,
+                   Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                   QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                   NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr):
     # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes.
     # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x), taken
     # from the sums of squares each split stored for its slice of x: the tail's loads (partials and [splits]
@@ -220,14 +262,18 @@ def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn
             gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
             up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
             act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
-            tl.store(out_ptr + gate_cols, (act * up).to(tl.float16), mask=live)
+            product = (act * up).to(tl.float16)
+            tl.store(out_ptr + gate_cols, product, mask=live)
+            if X16_OUT:
+                store_x16(product.to(tl.float32), gate_cols, inter, x16_out_ptr, BLOCK_N)
         elif EPILOGUE == ROPE:
             _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
                            v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE, KV_SIZE, HEAD_DIM,
                            SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
         else:
             total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
-            _store_tile(total, out_ptr, rn, n_mask, next_norm_ptr, normed_out_ptr, EPILOGUE, NEXT_NORM)
+            _store_tile(total, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE,
+                        NEXT_NORM, X16_OUT, BLOCK_N)
         rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
 
 
@@ -250,10 +296,10 @@ def dot_input(x_ptr, normed_ptr, k_start, k_end, NORM: tl.constexpr, PRESCALED: 
 @triton.jit
 def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr,
                 slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr,
-                rn, n_mask, N, K, splits, lock_rest, eps, qk_eps, NORM: tl.constexpr, EPILOGUE: tl.constexpr,
-                Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, NORM_BLOCK: tl.constexpr, NEXT_NORM: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                x16_out_ptr, rn, n_mask, N, K, splits, lock_rest, eps, qk_eps, NORM: tl.constexpr,
+                EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                QK_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
     # a GEMV program's product of its column tile, y [BN] (with NORM, of (weight * x) . W: still to be scaled
     # by 1 / rms), finished: in registers when the tile's whole sum is here (one split, not SILU), else through
     # the partials and the ticket (``squares``: this split's sum of squares of x, from ``dot_input``)
@@ -262,12 +308,13 @@ def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr,
             y = y * inv_rms(x_ptr, K, eps, NORM_BLOCK)
         one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
                            v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
-                           EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM)
+                           x16_out_ptr, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM,
+                           X16_OUT)
     else:
         split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
                        out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
-                       qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, K, eps, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM,
-                       SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM)
+                       qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, K, eps, EPILOGUE, Q_SIZE,
+                       KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM, X16_OUT)
 
 
 def norm_block(k: int, k_per_split: int, splits: int, silu: bool) -> int:
@@ -305,12 +352,15 @@ class EpilogueLaunch:
 def epilogue_launch(name: str, x: torch.Tensor, owner: torch.Tensor, n: int, block_n: int, k_per_split: int,
                     splits: int, *, norm_weight: torch.Tensor | None, eps: float, normed: torch.Tensor | None,
                     residual: torch.Tensor | None, next_norm: tuple[torch.Tensor, torch.Tensor] | None, silu: bool,
-                    rope: dict | None, bias: torch.Tensor | None, rope_pairs: bool = False) -> EpilogueLaunch:
+                    rope: dict | None, bias: torch.Tensor | None, rope_pairs: bool = False,
+                    x16_out: torch.Tensor | None = None) -> EpilogueLaunch:
     """The outputs, scratch and arguments of a launch of ``n`` columns in ``block_n`` tiles over ``splits``
     splits of ``k_per_split`` rows of x [1, K]; ``owner`` (the weight) keeps the split-K counters and stands in
     for absent pointers. The fusions are the launchers' keyword arguments (``w4a16_gemv``); ``name`` prefixes
     the errors. A ROPE tile holds whole heads, or with ``rope_pairs`` whole rotary pairs (columns d and
-    d + head_dim / 2 of a head: the kernel maps its rows so; not with Qwen3's per-head norms)."""
+    d + head_dim / 2 of a head: the kernel maps its rows so; not with Qwen3's per-head norms). ``x16_out``
+    (int32 [7, width / 8]): a ``next_norm`` or ``silu`` launch also writes its row (the next norm's input, or
+    silu(gate) * up) in 16-bit fixed point for the next GEMV's integer dot (``store_x16``)."""
     k = x.shape[1]
     check_prescaled(name, x, norm_weight, normed, residual, next_norm, n)
     tiles = cdiv(n, block_n)
@@ -335,13 +385,14 @@ def epilogue_launch(name: str, x: torch.Tensor, owner: torch.Tensor, n: int, blo
         extra = rope
     else:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _check_x16_out(name, x16_out, out, block_n, next_norm is not None or silu)
     scratch = torch.empty((splits * (n + tiles),), dtype=torch.float32, device=x.device)
     part, squares = scratch[: splits * n].view(splits, n), scratch[splits * n:]  # [splits, N], [splits, tiles]
     lock = lock_buffer(owner, tiles, reuse=True, min_tiles=cdiv(n, 16))  # (a dense owner is [N, K])
     arrivals = splits * (2 if epilogue == SILU.value else 1)
     pointers = (norm_weight, extra.get("cos_sin_cache"), extra.get("positions"), extra.get("slot_mapping"),
                 extra.get("k_cache"), extra.get("v_cache"), extra.get("q_norm"), extra.get("k_norm"), bias, normed,
-                *(next_norm if next_norm is not None else (None, None)))
+                *(next_norm if next_norm is not None else (None, None)), x16_out)
     args = (out, part, squares, lock, *(owner if p is None else p for p in pointers), n, k, k_per_split, splits,
             LOCK_PERIOD.value - arrivals, float(eps), float(extra.get("eps", 0.0)))
     pdl = pdl_supported(x.device)
@@ -350,7 +401,20 @@ def epilogue_launch(name: str, x: torch.Tensor, owner: torch.Tensor, n: int, blo
         "KV_SIZE": extra.get("kv_size", 0), "HEAD_DIM": head_dim or 1, "QK_NORM": extra.get("q_norm") is not None,
         "HAS_BIAS": bias is not None, "SPLITS": next_pow2(splits),
         "NORM_BLOCK": norm_block(k, k_per_split, splits, epilogue == SILU.value) if norm_weight is not None else 1,
-        "PRESCALED": normed is not None, "NEXT_NORM": next_norm is not None,
+        "PRESCALED": normed is not None, "NEXT_NORM": next_norm is not None, "X16_OUT": x16_out is not None,
         **({"launch_pdl": True} if pdl else {}),
     }
     return EpilogueLaunch(out, args, constexprs)
+
+
+def _check_x16_out(name: str, x16_out: torch.Tensor | None, out: torch.Tensor, block_n: int, writes_row: bool) -> None:
+    """x16_out goes with a launch that writes the next GEMV's row (next_norm or silu), as int32 planes
+    [7, width / 8] of that row, from tiles of whole 64-column blocks (a block's scale is its tile's)."""
+    if x16_out is None:
+        return
+    width = out.shape[1]
+    if not writes_row or block_n % 64 or width % 64:
+        raise ValueError(f"{name}: x16_out needs next_norm or silu, tiles of whole 64-column blocks ({block_n}) "
+                         f"and a row of whole blocks ({width})")
+    if x16_out.shape != (7, width // 8) or x16_out.dtype != torch.int32 or not x16_out.is_contiguous():
+        raise ValueError(f"{name}: x16_out {tuple(x16_out.shape)} {x16_out.dtype} is not int32 [7, {width // 8}]")

@@ -500,6 +500,7 @@ def _gemv_kernel(
     normed_ptr,
     next_norm_ptr,
     normed_out_ptr,
+    x16_out_ptr,
     N,
     K,
     k_per_split,
@@ -525,6 +526,7 @@ def _gemv_kernel(
     ONE_STEP: tl.constexpr,
     PRESCALED: tl.constexpr,
     NEXT_NORM: tl.constexpr,
+    X16_OUT: tl.constexpr,
     X16: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. X16: the dot reads x
@@ -582,9 +584,10 @@ def _gemv_kernel(
             qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
     finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-                k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, rn, n_mask, N, K,
+                k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
+                K,
                 splits, lock_rest, eps, qk_eps, NORM, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, HAS_BIAS, SPLITS,
-                NORM_BLOCK, NEXT_NORM, BLOCK_N)
+                NORM_BLOCK, NEXT_NORM, X16_OUT, BLOCK_N)
 
 
 @dataclass(frozen=True)
@@ -607,6 +610,12 @@ ONE_STEP_WORDS = 32  # packed words a thread may hold in a one-step plan: at 32,
 LARGE_MATRIX_REGISTERS = 128  # uncapped, Triton 3.6 gives 168-174 (the epilogue's partial tiles): 12 warps an SM
 
 
+def gemv_large_matrix(k: int, n: int) -> bool:
+    """A K x N weight the GEMV streams with the large-matrix plans (128-column tiles of 1 warp, split-K), not
+    the small one-step ones."""
+    return k * n > SMALL_MATRIX
+
+
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
               warps_per_sm: int = 24, block_k: int = 64) -> GemvPlan:
     """Column tile, K step and split-K, from the sweeps of ``bench/gemv.py --sweep`` on an H200.
@@ -625,7 +634,7 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     multiple of 64; 128 is for timing it against 64, the steps of the sweeps above)."""
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1)  # a K step is whole blocks
-    if k * n <= SMALL_MATRIX:
+    if not gemv_large_matrix(k, n):
         block_n = max(32, head_dim or 1)
         split = 1  # more splits only where one program's K would not fit in registers
         while _one_step_words(k, split, block_n) > ONE_STEP_WORDS and split < k // 64:
@@ -719,6 +728,7 @@ def w4a16_gemv(
     rope: dict | None = None,
     bias: torch.Tensor | None = None,
     x16: torch.Tensor | None = None,
+    x16_out: torch.Tensor | None = None,
     plan: GemvPlan | None = None,
 ) -> torch.Tensor:
     """y = x @ W for one row, with optional fused neighbours.
@@ -735,6 +745,8 @@ def w4a16_gemv(
     y before any epilogue (Qwen2's qkv, Llama's optional o / MLP biases). x16: the dot's row (x, or ``normed``
     with a norm) in 16-bit fixed point, ``reference.quantize_x16``'s int32 planes [7, K // 8], which the dot reads
     instead (integer DP2A products: fewer instructions a word than the half2 dot); x still gives the rms.
+    x16_out [7, width // 8] (with next_norm or silu): the row this launch writes for the next GEMV (the next norm's
+    input, or silu(gate) * up) also written in those planes, its ``x16``.
     """
     k = x.shape[1]
     n = qweight.shape[1]
@@ -751,7 +763,7 @@ def w4a16_gemv(
     k_per_split, splits, block_k = _k_steps(k, group_size, plan)
     launch = epilogue_launch("w4a16_gemv", x, qweight, n, plan.block_n, k_per_split, splits, norm_weight=norm_weight,
                              eps=eps, normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope,
-                             bias=bias)
+                             bias=bias, x16_out=x16_out)
     _gemv_kernel[(cdiv(n, plan.block_n), splits)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, x16 if x16 is not None else qweight,
         *launch.args, GROUP=group_size, X16=x16 is not None,
