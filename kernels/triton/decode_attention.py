@@ -160,10 +160,14 @@ def _decode_kernel(
     seq64 = seq.to(tl.int64)
     ctx = tl.load(context_lens + seq)  # a step input: written before the previous kernel ran
     first, size, live = _partition(ctx, window, num_splits, BLOCK_N)
-    if USE_PDL:  # q and the KV cache come from the kernel launched before this one
-        gdc_wait()
-        gdc_launch_dependents()
-    if split < live:  # programs past the last partition have nothing to do
+    # programs past the last partition have nothing to do, and return before waiting on the previous kernel:
+    # at short contexts most of the graph's split programs are idle (7B at 256 tokens: 4 live of 17 a head), and
+    # waiting held their SM slots until the qkv launch ended (suspected: the default 17 splits took 7.5 us there
+    # and 4 splits, the same live partitions, 6.2; bench/kernels.py --only decode1, H200, session 19)
+    if split < live:
+        if USE_PDL:  # q and the KV cache come from the kernel launched before this one
+            gdc_wait()
+            gdc_launch_dependents()
         start = first + split * size
         end = tl.minimum(start + size, ctx)
         rows = tl.arange(0, GROUP_PAD)
