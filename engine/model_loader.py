@@ -208,7 +208,7 @@ def read_config_dict(model_dir: Path) -> dict:
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backend: Backend,
                max_positions: int, log: Callable[[str], None] = lambda m: None, fuse_decode: bool = True,
-               tp: TPGroup | None = None, x16_rows: bool = True) -> LlamaModel:
+               tp: TPGroup | None = None, x16_rows: bool = False) -> LlamaModel:
     """Read config + weights into a LlamaModel on ``device`` in ``dtype`` (activations; int4 stays packed).
     ``fuse_decode``: one-sequence decode steps use the fused layer when the Triton kernels run and the model
     allows it (engine/models/fused_decode.py), with ``x16_rows`` its int4 rows in 16-bit fixed point where
