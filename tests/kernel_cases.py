@@ -680,13 +680,16 @@ def test_w4a16_gemv_x16(fusion, group_size, plan, n):
 
 
 def test_x16_round_trip():
-    """``quantize_x16`` keeps every element within half its block's step (2^-16 of the block's largest) and
-    its planes' sums and scales agree with the pairs (the kernel's zero-point term reads the sums)."""
-    x = torch.randn(512, dtype=torch.float16) * torch.logspace(-2, 2, 512).half()  # blocks of very unequal sizes
+    """``quantize_x16`` keeps every element within half its block's step (2^-16 of the block's largest; q is
+    rounded from x times 32767 / max, as the kernels compute it, and that product and the scale may be off by
+    ~0.006 of a step in fp32) and its planes' sums and scales agree with the pairs (the zero-point term reads
+    the sums)."""
+    generator = torch.Generator().manual_seed(19)
+    x = (torch.randn(512, generator=generator) * torch.logspace(-2, 2, 512)).half()  # blocks of unequal sizes
     x16 = ref.quantize_x16(x)
     back = ref.dequantize_x16(x16)
     step = x.float().reshape(-1, 64).abs().amax(dim=1) / ref.X16_MAX  # [B]
-    assert ((back - x.float()).reshape(-1, 64).abs() <= step[:, None] / 2 * 1.0001).all()
+    assert ((back - x.float()).reshape(-1, 64).abs() <= step[:, None] * 0.51).all()
     q = torch.round(back.reshape(-1, 64) / step[:, None])  # [B, 64]: rows 64b + 8j + w
     blocks = x16[6].reshape(-1, 8)
     assert torch.equal(blocks[:, 1], q[:, :32].sum(dim=1).int()) and torch.equal(blocks[:, 2], q[:, 32:].sum(dim=1).int())
