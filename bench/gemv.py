@@ -193,6 +193,16 @@ def time_fusions() -> None:
         print("no register report:", exc)
 
 
+def write_rows(path: str, copy_bw: float, **rows) -> None:
+    """A JSON result of this bench: the card, date, command line and copy bandwidth, then ``rows``."""
+    doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
+           **rows}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+
+
 X16_LAYERS = {  # hidden, intermediate, heads, kv heads, head_dim, group: the fused layers' launches
     "7B": (4096, 11008, 32, 32, 128, 128),
     "8B": (4096, 14336, 32, 8, 128, 128),
@@ -266,12 +276,7 @@ def time_x16(args, copy_bw: float) -> None:
             rows.append(row)
             del weights
             torch.cuda.empty_cache()
-    doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
-           "x16": rows}
-    out = Path(args.out or "bench/results/kernels_gemv_x16.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    write_rows(args.out or "bench/results/kernels_gemv_x16.json", copy_bw, x16=rows)
 
 
 DENSE_SHAPES = {  # N x K of a Linear's fp16 weight: the fp16 7B layer (issue 15's fp16 target), heads, SmolLM2
@@ -330,12 +335,7 @@ def bench_dense(args, copy_bw: float, sms: int) -> None:
         rows.append(row)
         del weights
         torch.cuda.empty_cache()
-    doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
-           "dense": rows}
-    out = Path(args.out or "bench/results/kernels_gemv_dense.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    write_rows(args.out or "bench/results/kernels_gemv_dense.json", copy_bw, dense=rows)
 
 
 def main() -> None:
@@ -409,12 +409,7 @@ def main() -> None:
             value = row.get(f"x_{peer}")
             results.append({"name": f"w4a16 M=1 {row['shape']}: speed vs {peer}", "value": value,
                             "target": f">= {want}", "pass": value is not None and value >= want})
-    doc = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]), "copy_bandwidth_GBps": round(copy_bw, 1),
-           "results": results, "shapes": rows, "sweep": sweeps}
-    out = Path(args.out or "bench/results/kernels_gemv.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    write_rows(args.out or "bench/results/kernels_gemv.json", copy_bw, results=results, shapes=rows, sweep=sweeps)
     for r in results:
         print(f"{r['name']:<70} {r['value']} {r['target']} {r['pass']}")
 
