@@ -248,7 +248,7 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
                                           num_splits=splits)])
                 times["default" if splits is None else f"{splits} splits"] = round(ms * 1e3, 2)
             best = min(times, key=times.get)
-            extra.append(info(f"paged decode batch 1 x ctx {ctx}, {32}/{kv_heads} heads: default "
+            extra.append(info(f"paged decode batch 1 x ctx {ctx}, 32/{kv_heads} heads: default "
                               f"({times['default']} us), best {best}", times[best], "us"))
             print(json.dumps({"kv_heads": kv_heads, "ctx": ctx, **times}), flush=True)
         del k_cache, v_cache

@@ -27,6 +27,8 @@ from kernels.reference import X16_PLANES
 from kernels.triton.dense_gemv import dense_weight_unsupported
 from kernels.triton.w4a16_gemv import gemv_large_matrix
 
+LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the fused layer's four GEMVs
+
 
 def fused_decode_unsupported(model) -> str | None:
     """Why this model's one-row decode cannot use the fused layer (None when it can). Reads tensors: call at
@@ -47,7 +49,7 @@ def fused_decode_unsupported(model) -> str | None:
     if head is not None:
         return f"lm_head: {head}"
     for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in LAYER_LINEARS:
             reason = _linear_unsupported(getattr(layer, name))
             if reason is not None:
                 return f"{name}: {reason}"
@@ -76,7 +78,7 @@ def x16_rows_supported(model) -> bool:
     plans, whose 128-column tiles let o, gate/up and down write the next row's planes (a 64-row block's scale is
     one tile's). Small models keep the half2 dot (SmolLM2's launches: 0.95-1.08x, one-step tiles of 32)."""
     for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in LAYER_LINEARS:
             linear = getattr(layer, name)
             weight = linear.parts[0]
             if (len(linear.parts) != 1 or not isinstance(weight, PackedInt4) or weight.perm is not None

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import X16_MAX, X16_PLANES
 from kernels.triton.common import cdiv, next_pow2, pdl_supported
 from kernels.triton.split_k import LOCK_PERIOD, last_to_arrive, lock_buffer, rearm
 
@@ -154,6 +155,7 @@ def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_pt
 
 
 X16_ROUND: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: + and - it round an fp32 below 2^22 to even
+X16_TOP: tl.constexpr = tl.constexpr(float(X16_MAX))  # a block's largest |value| maps to this q
 
 
 @triton.jit
@@ -168,7 +170,7 @@ def store_x16(values, cols, n, x16_ptr, BLOCK_N: tl.constexpr):
     v = tl.reshape(values, [B, 2, 2, 2, 8])  # [blk, a, b, c, w]
     col = tl.reshape(cols, [B, 2, 2, 2, 8])
     amax = tl.max(tl.reshape(tl.abs(values), [B, 64]), axis=1)  # [B]
-    inv = tl.where(amax > 0.0, 32767.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)[:, None, None, None, None]
+    inv = tl.where(amax > 0.0, X16_TOP / tl.where(amax > 0.0, amax, 1.0), 0.0)[:, None, None, None, None]
     scaled = tl.where(inv > 0.0, v * inv, 0.0)  # (a select between: no FMA with the rounding add below)
     q = ((scaled + X16_ROUND) - X16_ROUND).to(tl.int32)  # |q| <= 32767, rounded to nearest even
     low, high = tl.split(tl.permute(q, (0, 1, 3, 4, 2)))  # [blk, a, c, w]: halves b = 0 and 1
@@ -183,7 +185,7 @@ def store_x16(values, cols, n, x16_ptr, BLOCK_N: tl.constexpr):
     block_col = tl.min(tl.reshape(cols, [B, 64]), axis=1)  # [B]
     blocks = x16_ptr + 6 * K8 + block_col // 8  # at the block's first packed row: scale bits, the halves' sums
     live = block_col < n
-    tl.store(blocks, (amax / 32767.0).to(tl.int32, bitcast=True), mask=live)
+    tl.store(blocks, (amax / X16_TOP).to(tl.int32, bitcast=True), mask=live)
     sums = tl.sum(halves, axis=2)  # [blk, a]
     low_sum, high_sum = tl.split(sums)
     tl.store(blocks + 1, low_sum, mask=live)
@@ -416,5 +418,11 @@ def _check_x16_out(name: str, x16_out: torch.Tensor | None, out: torch.Tensor, b
     if not writes_row or block_n % 64 or width % 64:
         raise ValueError(f"{name}: x16_out needs next_norm or silu, tiles of whole 64-column blocks ({block_n}) "
                          f"and a row of whole blocks ({width})")
-    if x16_out.shape != (7, width // 8) or x16_out.dtype != torch.int32 or not x16_out.is_contiguous():
-        raise ValueError(f"{name}: x16_out {tuple(x16_out.shape)} {x16_out.dtype} is not int32 [7, {width // 8}]")
+    check_x16_planes(f"{name}: x16_out", x16_out, width)
+
+
+def check_x16_planes(what: str, planes: torch.Tensor, width: int) -> None:
+    """``planes`` holds a row of ``width`` in 16-bit fixed point as reference.quantize_x16 lays it out: int32
+    [X16_PLANES, width / 8], contiguous (the kernels index it as flat planes)."""
+    if planes.shape != (X16_PLANES, width // 8) or planes.dtype != torch.int32 or not planes.is_contiguous():
+        raise ValueError(f"{what} {tuple(planes.shape)} {planes.dtype} is not int32 [{X16_PLANES}, {width // 8}]")

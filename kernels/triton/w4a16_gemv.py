@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import X16_PLANES
 from kernels.triton.common import (
     cdiv,
     device_name,
@@ -48,6 +47,7 @@ from kernels.triton.common import (
 )
 from kernels.triton.gemv_epilogue import (
     MAX_SPLIT,
+    check_x16_planes,
     dot_input,
     epilogue_launch,
     finish_tile,
@@ -779,7 +779,6 @@ def _check_x16(x16: torch.Tensor | None, k: int, perm: torch.Tensor | None, norm
     a norm the kernel would multiply in itself (without ``normed``)."""
     if x16 is None:
         return
-    if x16.shape != (X16_PLANES, k // 8) or x16.dtype != torch.int32 or not x16.is_contiguous():
-        raise ValueError(f"w4a16_gemv: x16 {tuple(x16.shape)} {x16.dtype} is not int32 [{X16_PLANES}, {k // 8}]")
+    check_x16_planes("w4a16_gemv: x16", x16, k)
     if perm is not None or (norm_weight is not None and normed is None):
         raise ValueError("w4a16_gemv: x16 is the dot's row as given: not with act-order, nor a norm without normed")
