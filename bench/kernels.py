@@ -233,7 +233,8 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
     """Batch-1 decode attention at the short contexts of single-stream decoding, on a block table as wide as
     the engine's graphs capture (``max_ctx``), over split counts: the default (``choose_splits``) against fixed
     ones, so the in-kernel partitioning is timed where it matters for issue 15 (a layer's attention is one of
-    its five launches). Informational rows only."""
+    its five launches), and the default with its first tile of keys loaded after waiting on the previous kernel
+    (as before session 20) rather than before. Informational rows only."""
     block_size = 16
     for kv_heads in (32, 8):
         k_cache = torch.randn(max_ctx // block_size, block_size, kv_heads, 128, dtype=DTYPE, device=DEV)
@@ -243,10 +244,13 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
         for ctx in SINGLE_STREAM_CONTEXTS:
             lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
             times = {}
-            for splits in (None, 1, 2, 4, 8, 16):
+            no_prefetch = {**decode_mod._config(block_size), "PREFETCH": False}
+            for splits, config in ((None, None), (None, no_prefetch), (1, None), (2, None), (4, None), (8, None),
+                                   (16, None)):
                 ms = bench_graph([partial(decode_mod.decode_attention, q, k_cache, v_cache, table, lens, 128**-0.5,
-                                          num_splits=splits)])
-                times["default" if splits is None else f"{splits} splits"] = round(ms * 1e3, 2)
+                                          num_splits=splits, config=config)])
+                name = "default" if splits is None else f"{splits} splits"
+                times[name + (", first tile after the wait" if config else "")] = round(ms * 1e3, 2)
             best = min(times, key=times.get)
             extra.append(info(f"paged decode batch 1 x ctx {ctx}, 32/{kv_heads} heads: default "
                               f"({times['default']} us), best {best}", times[best], "us"))

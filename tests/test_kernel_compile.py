@@ -311,7 +311,9 @@ def test_decode_attention_compiles_for_hopper(head_dim, split):
             **{key: Constexpr(value) for key, value in {
                 "GROUP": group, "GROUP_PAD": 16, "GROUP_P2": group, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
                 "BLOCK_SIZE": 16, "BLOCK_N": config["BLOCK_N"], "SPLIT": split,
-                "S_CHUNK": decode_attention.reduce_chunk(group, head_dim), "P_SPLIT": False, "USE_PDL": True}.items()}}
+                "S_CHUNK": decode_attention.reduce_chunk(group, head_dim), "P_SPLIT": False,
+                "PREFETCH": decode_attention.prefetches_first_tile(split, head_dim),
+                "USE_PDL": True}.items()}}
     kernel = compile_for_hopper(decode_attention._decode_kernel, args, config["num_warps"], config["num_stages"])
     assert kernel.spilled_bytes == 0 and kernel.shared_bytes <= HOPPER_SHARED_BYTES, kernel
 

@@ -15,7 +15,8 @@ Why no reduce kernel: inside a graph each launch costs ~1.3 us of dependency gap
 (sequence, KV head)'s programs to store its partial (split_k.py's arrival counter, kept on the KV cache
 tensor) combines the partials of every live partition and writes the output. For the same reason the kernel
 takes programmatic dependent launch where the GPU has it: it is launched while the qkv kernel finishes, reads
-its sequence's length, and waits for q and the KV cache only then.
+its sequence's length and (where the KV is split) its first tile of cached keys, and waits only then for q and
+the newest token's K and V, the qkv kernel's outputs.
 """
 
 from __future__ import annotations
@@ -52,37 +53,54 @@ def _partition(ctx, window, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, k_head, v_head, bt_row, start, end, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, d,
-            d_mask, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, P_SPLIT: tl.constexpr):
-    # online softmax of the query group q [GROUP_PAD, BLOCK_D] over keys [start, end) ->
-    # (unnormalised acc [GROUP_PAD, BLOCK_D], running max m (log2 domain), softmax sum l [GROUP_PAD])
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+def _kv_rows(bt_row, t, t_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr):
+    # token positions t [BLOCK_N] -> their rows' offsets into the K and V caches [BLOCK_N, 1], through the block
+    # table (block ids cast to int64 before any pointer math)
+    block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    offs = t % BLOCK_SIZE
+    return block[:, None] * stride_kb + offs[:, None] * stride_kt, block[:, None] * stride_vb + offs[:, None] * stride_vt
+
+
+@triton.jit
+def _kv_tile(k_head, v_head, k_rows, v_rows, t_mask, d, d_mask, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # the K and V rows at k_rows / v_rows -> k, v [BLOCK_N, BLOCK_D], zeros where t_mask [BLOCK_N] is off
+    kv_mask = t_mask[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))  # constant along D when even
+    k = tl.load(k_head + k_rows + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + v_rows + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q, k, v, t_mask, qk_scale, P_SPLIT: tl.constexpr):
+    # one tile of keys into the online softmax of the query group q [GROUP_PAD, BLOCK_D]: k, v [BLOCK_N, BLOCK_D]
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key yet (an empty context) adds 0
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if P_SPLIT:  # p = hi + lo in two fp16 dots: the PV product keeps ~22 bits of p (tensor cores are idle here)
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_head, v_head, bt_row, start, end, stride_kb, stride_kt, stride_vb, stride_vt,
+            qk_scale, d, d_mask, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_N: tl.constexpr, P_SPLIT: tl.constexpr):
+    # the online softmax (acc [GROUP_PAD, BLOCK_D] unnormalised, running max m in the log2 domain, sum l
+    # [GROUP_PAD]) of the query group q [GROUP_PAD, BLOCK_D] carried on over the keys [start, end)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
         t_mask = t < end
-        block = tl.load(bt_row + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        offs = t % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))  # constant along D when even
-        k = tl.load(k_head + block[:, None] * stride_kb + offs[:, None] * stride_kt + d[None, :], mask=kv_mask,
-                    other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_head + block[:, None] * stride_vb + offs[:, None] * stride_vt + d[None, :], mask=kv_mask,
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if P_SPLIT:  # p = hi + lo in two fp16 dots: the PV product keeps ~22 bits of p (tensor cores are idle here)
-            p_hi = p.to(v.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k_rows, v_rows = _kv_rows(bt_row, t, t_mask, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        k, v = _kv_tile(k_head, v_head, k_rows, v_rows, t_mask, d, d_mask, BLOCK_D, HEAD_DIM)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, t_mask, qk_scale, P_SPLIT)
     return acc, m_i, l_i
 
 
@@ -150,6 +168,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     S_CHUNK: tl.constexpr,
     P_SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # grid = (sequences, KV heads, split programs); partials [pairs * num_splits * GROUP_P2, BLOCK_D] and their
@@ -165,22 +184,42 @@ def _decode_kernel(
     # waiting held their SM slots until the qkv launch ended (suspected: the default 17 splits took 7.5 us there
     # and 4 splits, the same live partitions, 6.2; bench/kernels.py --only decode1, H200, session 19)
     if split < live:
-        if USE_PDL:  # q and the KV cache come from the kernel launched before this one
-            gdc_wait()
-            gdc_launch_dependents()
         start = first + split * size
         end = tl.minimum(start + size, ctx)
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        k_head = k_cache + kv_head.to(tl.int64) * stride_kh
+        v_head = v_cache + kv_head.to(tl.int64) * stride_vh
+        bt_row = block_tables + seq64 * stride_bts
+        if PREFETCH:
+            # the first tile's keys before the newest are in the cache since earlier steps (and the block table
+            # is a step input): loaded before waiting, their latency overlaps the qkv launch's tail. Only the
+            # newest token's K and V (position ctx - 1) and q come from that launch.
+            t = start + tl.arange(0, BLOCK_N)
+            k_rows, v_rows = _kv_rows(bt_row, t, t < end, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+            k, v = _kv_tile(k_head, v_head, k_rows, v_rows, t < tl.minimum(end, ctx - 1), d, d_mask, BLOCK_D,
+                            HEAD_DIM)
+        if USE_PDL:  # q and the newest K/V come from the kernel launched before this one
+            gdc_wait()
+            gdc_launch_dependents()
         rows = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this KV head
-        d = tl.arange(0, BLOCK_D)
         row_mask = rows < GROUP
-        d_mask = d < HEAD_DIM
         q = tl.load(q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, BLOCK_D]
-        acc, m_i, l_i = _attend(q, k_cache + kv_head.to(tl.int64) * stride_kh,
-                                v_cache + kv_head.to(tl.int64) * stride_vh, block_tables + seq64 * stride_bts,
-                                start, end, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, d, d_mask,
-                                GROUP_PAD, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N, P_SPLIT)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        rest = start
+        if PREFETCH:  # the newest token's row into the tile's registers, then the tile into the softmax
+            newest = ((t == ctx - 1) & (t < end))[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))
+            k = tl.load(k_head + k_rows + d[None, :], mask=newest, other=k)
+            v = tl.load(v_head + v_rows + d[None, :], mask=newest, other=v)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, t < end, qk_scale, P_SPLIT)
+            rest = start + BLOCK_N
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, bt_row, rest, end, stride_kb, stride_kt,
+                                stride_vb, stride_vt, qk_scale, d, d_mask, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                P_SPLIT)
         out_rows = out_ptr + seq64 * stride_os
         if live == 1:
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty context gives zeros, like the reference
@@ -213,6 +252,13 @@ def _config(block_size: int, head_dim: int = 128) -> dict:
 def reduce_chunk(group: int, block_d: int) -> int:
     """Partitions the last program combines per step: REDUCE_ELEMENTS fp32 values of partial outputs."""
     return max(1, REDUCE_ELEMENTS // (next_pow2(group) * block_d))
+
+
+def prefetches_first_tile(split: bool, block_d: int) -> bool:
+    """Whether a program loads its first tile of keys before waiting on the previous kernel. That tile's K and
+    V then sit in registers (at head size 128, 141-174 a thread against 100-128; at 256 it would spill), so
+    only where the KV is split: few (sequence, KV head) pairs, a launch bound by latency, not by occupancy."""
+    return split and block_d <= 128
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_ctx: int, block_n: int, sms: int, chunk: int) -> int:
@@ -264,6 +310,7 @@ def decode_attention(
                                    num_sms(q.device), chunk)
     pairs = num_seqs * num_kv_heads
     split = num_splits > 1
+    cfg.setdefault("PREFETCH", prefetches_first_tile(split, block_d))
     if split:
         part_acc = torch.empty((pairs * num_splits * group_p2, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((pairs * num_splits * group_p2, 2), dtype=torch.float32, device=q.device)
