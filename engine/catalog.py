@@ -142,7 +142,7 @@ def local_hub_snapshot(entry: CatalogEntry) -> Path | None:
 
     try:
         return Path(snapshot_download(entry.repo, revision=entry.revision, local_files_only=True))
-    except Exception:
+    except Exception:  # noqa: BLE001 -- whatever the hub library raises here, the model is not cached
         return None
 
 

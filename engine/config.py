@@ -90,7 +90,7 @@ class EngineArgs:
     def with_overrides(self, **kwargs) -> EngineArgs:
         unknown = set(kwargs) - set(self.__dataclass_fields__)
         if unknown:
-            raise EngineError(f"unknown engine argument(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+            raise EngineError(f"unknown engine argument(s): {', '.join(sorted(unknown))}", param=min(unknown))
         return replace(self, **kwargs)
 
 

@@ -339,9 +339,8 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif can_stop and token in params.stop_token_ids:
             status, reason = RequestStatus.FINISHED_STOPPED, token
-        elif params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        elif req.num_tokens >= self.scheduler.max_request_tokens:
+        elif ((params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
+              or req.num_tokens >= self.scheduler.max_request_tokens):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             req.stop_reason = reason

@@ -323,7 +323,7 @@ def test_engine_tokenizer_does_not_import_the_auto_classes(default_model_dir):
     code = ("import sys; from pathlib import Path; from engine.tokenizer import Tokenizer; "
             f"Tokenizer(Path({str(default_model_dir)!r})); "
             "print('transformers.models.auto.tokenization_auto' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"

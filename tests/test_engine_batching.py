@@ -27,7 +27,7 @@ def mixed_prompts(count: int) -> list[str]:
 def make_llm(model_dir, **kwargs):
     from engine import LLM
 
-    args = dict(dtype="float32", device="cpu", kv_cache_memory="256MiB")
+    args = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "256MiB"}
     args.update(kwargs)
     return LLM(str(model_dir), **args)
 

@@ -256,7 +256,7 @@ def test_quantizer_builds_gemma3(gemma3, tmp_path, method):
     from engine.quant.quantizer import quantize_model
 
     src, calibration = gemma3("gemma3-1b-form"), _calibration_text(tmp_path)
-    options = dict(group_size=32, device="cpu", cpu_threads=1, log=lambda msg: None)
+    options = {"group_size": 32, "device": "cpu", "cpu_threads": 1, "log": lambda msg: None}
     built = quantize_model(src, tmp_path / f"gemma3-{method}", method, calibration_path=calibration,
                            num_samples=4, seq_len=64, **options)
     rtn = quantize_model(src, tmp_path / "gemma3-rtn", "rtn", **options)

@@ -486,7 +486,7 @@ def test_random_workload_keeps_every_invariant_and_exact_outputs(seed):
 def add_random_group(scheduler: Scheduler, rng: random.Random, prefixes, name: str) -> list[Request]:
     """One request, or an n>1 group, often sharing a system prompt; rejected ones are dropped."""
     prompt = list(rng.choice(prefixes)) if rng.random() < 0.6 else []
-    prompt += [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1 if prompt else 1, 20))]
+    prompt += [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))]
     max_tokens = rng.randrange(1, 16)
     eos = (EOS,) if rng.random() < 0.5 else ()
     n = rng.choice([1, 1, 1, 2, 3])
