@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 15 on the device: Pagoda's batch-1 decode against llama.cpp built and run on the same machine, the
 # server's streaming against offline, the M = 1 kernels against their peers, and the GPU tests the issue asks to
-# pass after a change. All steps take more than one device call (10 minutes at most): run them as two calls in a
-# row, so the machine stays warm (its /tmp keeps llama.cpp, the peer figures and the random-weight models):
+# pass after a change. All steps take more than one device call (10 minutes at most): run them as calls in a row,
+# so the machine stays warm (its /tmp keeps llama.cpp, the peer figures and the random-weight models):
 #
-#   bash bench/single_stream.sh peer tests       then at once      bash bench/single_stream.sh latency kernels
+#   bash bench/single_stream.sh peer tests,   then at once   bash bench/single_stream.sh latency,
+#   then   bash bench/single_stream.sh x16 kernels
 #
 # (carry .peers: ../shared/peers/fetch.sh fills it; with GEMV_BASELINE also .devcache). Steps:
 #   peer      llama.cpp's build (~4.5 min on 16 cores, niced, in the background from the start, with the F16 GGUF
@@ -15,6 +16,8 @@
 #             decoding against transformers (graphs and eager)
 #   latency   bench/latency.py: batch-1 decode of $MODELS (default SmolLM2, 7B AWQ, 7B fp16, 8B AWQ) and the 7B
 #             streamed through app.py serve; llama.cpp's figures from this machine's peer step (else recorded)
+#   x16       bench/latency.py on the 7B and 8B AWQ with --x16-rows (EngineArgs.x16_rows, off by default until
+#             this A/B against the latency step's figures of the same run): $OUT/latency_x16.json
 #   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, the fp16 GEMV against cuBLAS (and its
 #             plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py) the fused-layer launches A/B
 # $LATENCY_FLAGS: extra latency flags. Writes llamacpp.txt, latency.json, kernels_gemv*.json and single_stream.log
@@ -68,6 +71,11 @@ for step in "${steps[@]}"; do
       timeout 480 $PY bench/latency.py --models "$SHAPES" --models-dir "$MODELS_DIR" --only decode,stream \
         --output-len 256 --repeats 3 --out "$OUT_DIR/latency.json" "${lcpp[@]}" "${LATENCY[@]}" 2>&1 \
         | grep -E "decode|roofline|streamed|targets|FAILED" | tee -a "$LOG" ;;
+    x16)
+      say "the 7B and 8B AWQ batch-1 decode with the fused layer's int4 rows in 16-bit fixed point (--x16-rows)"
+      timeout 300 $PY bench/latency.py --models llama2-7b,llama3-8b --models-dir "$MODELS_DIR" --only decode \
+        --output-len 256 --repeats 3 --x16-rows --out "$OUT_DIR/latency_x16.json" "${LATENCY[@]}" 2>&1 \
+        | grep -E "decode|roofline|targets|FAILED" | tee -a "$LOG" ;;
     kernels)
       say "int4 GEMV at M = 1 against GemLite and tinygemm"
       timeout 150 $PY bench/gemv.py --only "8B,SmolLM2" --out "$OUT_DIR/kernels_gemv.json" 2>&1 \
