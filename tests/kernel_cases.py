@@ -716,6 +716,18 @@ def test_w4a16_gemv_one_step(fusion, split, act_order, bias, group_size):
     check_w4a16_gemv("cpu", 320, 128 if rope else 64, group_size, act_order, fusion, plan=plan, bias=bias)
 
 
+
+@pytest.mark.parametrize("fusion,split,one_step", [("rope", 1, True), ("rope+qk-norm", 2, True),
+                                                  ("prescaled-norm+rope", 2, False), ("rope", 3, False)])
+def test_w4a16_gemv_rope_tiles_of_two_heads(fusion, split, one_step):
+    """Tiles of 64 columns over heads of 32 (as a large-matrix tile of 128 holds two heads of 64): each column's
+    rotary partner is 16 places away, not half a tile, swapped between the program's threads (``_partners``),
+    from one split and after the partials are summed."""
+    from kernels.triton.w4a16_gemv import GemvPlan
+
+    plan = GemvPlan(block_n=64, block_k=0 if one_step else 64, split=split, num_warps=1, one_step=one_step)
+    check_w4a16_gemv("cpu", 320 if one_step else 256, 128, 32, False, fusion, head_dim=32, plan=plan)
+
 @pytest.mark.parametrize(
     "fusion,k,n,bias",
     [("plain", 200, 72, False), ("plain", 256, 64, True), ("norm", 200, 72, False), ("residual", 256, 72, True),

@@ -39,6 +39,7 @@ from kernels.triton.gemv_epilogue import (
     dot_input,
     epilogue_launch,
     finish_tile,
+    rope_position,
 )
 from kernels.triton.split_k import split_k
 
@@ -113,6 +114,7 @@ def _dense_gemv_kernel(
     # they do not depend on it, so their HBM latency overlaps its tail
     w = tl.load(w_ptrs, mask=n_mask[:, None] & (k_start + rk_chunk < k_end)[None, :], other=0.0,
                 eviction_policy="evict_first")
+    pos, slot = rope_position(pos_ptr, slot_ptr, EPILOGUE)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -130,11 +132,11 @@ def _dense_gemv_kernel(
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w = w_next
     y = tl.sum(acc, axis=1)  # [BN]; with NORM, still to be scaled by 1 / rms(x)
-    finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+    finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
                 k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
                 K,
                 splits, lock_rest, eps, qk_eps, NORM, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, HAS_BIAS, SPLITS,
-                NORM_BLOCK, NEXT_NORM, X16_OUT, BLOCK_N)
+                NORM_BLOCK, NEXT_NORM, X16_OUT, BLOCK_N, 0)  # rotary partners through memory
 
 
 @dataclass(frozen=True)

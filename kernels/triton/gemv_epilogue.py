@@ -15,10 +15,14 @@ pointers, scalars and constexprs in the same order (the kernels' parameters from
 - Epilogues: ``STORE`` (y), ``RESIDUAL`` (y added into the residual stream in place: o and down; NEXT_NORM also
   writes the new residual times the next norm's weight), ``SILU`` (gate and up tiles share one counter; the
   last of both writes silu(gate) * up), ``ROPE`` (qkv: rotary on the q and k columns, k and v written to their
-  KV-cache slot, q stored; a tile holds whole heads, so each rotary partner column's partial is summed by the
-  same program).
+  KV-cache slot, q stored; a tile holds whole heads or rotary pairs, so each column's rotary partner is in the
+  same program, and its value is swapped between threads once the column is summed).
 - Split-K: each program stores its fp32 partial and the last to arrive for a column tile finishes it
-  (kernels/triton/split_k.py: no second kernel, no memset, CUDA-graph safe).
+  (kernels/triton/split_k.py: no second kernel, no memset, CUDA-graph safe). That tail is latency at batch 1
+  (the next launch waits on it), so it issues all its loads before it uses any: one L2 round trip after the
+  ticket, where the squares' reduction, a second sum for the rotary partners, the position before its angles
+  and the next norm's weight after the residual's store had each put one more on it (SASS, session 20). The
+  position and KV-cache slot are read before the wait on the previous kernel (step inputs).
 
 Rounding follows kernels/reference.py: outputs of the matmul round to fp16 before the epilogue's arithmetic, as
 the unfused ops would see them.
@@ -66,22 +70,29 @@ def slice_squares(x_ptr, k_start, k_end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _inv_rms_of_slices(squares_ptr, column, tiles, splits, K, eps, SPLITS: tl.constexpr):
-    # 1 / rms(x) from the splits' sums of squares of their slices, stored [splits, tiles] by a column tile's programs
+def _split_squares(squares_ptr, column, tiles, splits, SPLITS: tl.constexpr):
+    # the splits' sums of squares of their slices of x [SPLITS], stored [splits, tiles] by a column tile's programs
     sk = tl.arange(0, SPLITS)
-    part = tl.load(squares_ptr + sk * tiles + column, mask=sk < splits, other=0.0, cache_modifier=".cg")
-    return 1.0 / tl.sqrt(tl.sum(part, axis=0) / K + eps)
+    return tl.load(squares_ptr + sk * tiles + column, mask=sk < splits, other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
-def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr,
-                CHUNK: tl.constexpr, scale):
-    # sum over splits of the fp32 partials [splits, N] at cols, times scale (the RMSNorm prologue's 1 / rms, or
-    # 1) -> fp16-rounded fp32 [BN], plus the bias where the linear has one (rounded again: the unfused Linear
-    # adds it to the fp16 product in fp16). CHUNK splits' partials are loaded at once: one load per split put
-    # an L2 round trip per split on the critical path; the rotary epilogue sums two tiles (columns and their
-    # partners) 16 splits at a time, since 2 x 32 at once set the register count of the whole kernel (8B qkv
-    # 12.3 -> 9.8 us with chunks; o, one tile, was 5% slower in chunks)
+def _norm_scale(part_squares, K, eps, NORM: tl.constexpr):
+    # the tile's scale: 1 / rms(x) from ``_split_squares`` with NORM, else 1
+    if NORM:
+        scale = 1.0 / tl.sqrt(tl.sum(part_squares, axis=0) / K + eps)
+    else:
+        scale = 1.0
+    return scale
+
+
+@triton.jit
+def _tile_sum(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    # sum over splits of the fp32 partials [splits, N] at cols -> fp32 [BN] (the caller scales and rounds it).
+    # CHUNK splits' partials are loaded at once: one load per split put an L2 round trip per split on the
+    # critical path; the rotary epilogue takes 16 splits at a time, since 2 x 32 at once (its columns' and their
+    # partners', when partners were loaded too) set the register count of the whole kernel (8B qkv 12.3 -> 9.8
+    # us with chunks; o, one tile, was 5% slower in chunks)
     sk = tl.arange(0, CHUNK)
     if CHUNK == SPLITS:
         tile = tl.load(part_ptr + sk[:, None] * N + cols[None, :], mask=(sk < splits)[:, None] & mask[None, :],
@@ -94,7 +105,7 @@ def _tile_total(part_ptr, cols, mask, splits, N, SPLITS: tl.constexpr, bias_ptr,
             tile = tl.load(part_ptr + (s0 + sk)[:, None] * N + cols[None, :], mask=live, other=0.0,
                            cache_modifier=".cg")  # [CHUNK, BN]
             total += tl.sum(tile, axis=0)
-    return _rounded(total * scale, cols, mask, bias_ptr, HAS_BIAS)
+    return total
 
 
 @triton.jit
@@ -118,40 +129,71 @@ def _head_norm(t, weight, eps, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                   v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE: tl.constexpr,
-                   KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # qkv columns rn -> rotary q stored to out [Q_SIZE]; rotary k and v written to the KV-cache slot. QK_NORM
-    # (Qwen3): each q and k head is RMS-normalized by q_norm / k_norm [HEAD_DIM] before rotary
+def _rope_angles(cos_sin_ptr, pos, rn, HEAD_DIM: tl.constexpr):
+    # cos and sin [BN] of each column's rotary angle at position ``pos`` (``rope_position``'s); a tail loads them
+    # before its partials, so both arrive in one round trip
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = rn % HALF
+    return tl.load(cos_sin_ptr + pos * HEAD_DIM + d), tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d)
+
+
+@triton.jit
+def _partners(t, rn, n_mask, part_ptr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PARTNER: tl.constexpr):
+    # t [BN] at columns rn -> each column's rotary partner's value (column d +- HEAD_DIM / 2 of its head), held by
+    # another thread of the program. PARTNER > 0: the partner is PARTNER places away in the tile (whole heads in
+    # column order), swapped between threads, where loading the partners' partials again from L2 put one more
+    # round trip on a split launch's tail. PARTNER = 0: through the partial buffer (this tile's columns, whose
+    # partials are summed), a barrier and a load; the fp16 GEMV's tiles of 4 rows that every thread holds took
+    # 94 registers a thread for the swap, against 70 so (Triton 3.6, sm_90)
+    if PARTNER > 0:
+        pairs = tl.reshape(t, [BLOCK_N // (2 * PARTNER), 2, PARTNER])
+        partners = tl.reshape(tl.flip(pairs, 1), [BLOCK_N])  # bits moved by xor: exact; shuffles, no barrier
+    else:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        tl.store(part_ptr + rn, t, mask=n_mask)
+        tl.debug_barrier()  # every thread's columns are stored before any partner is read
+        partner_cols = tl.where(rn % HEAD_DIM < HALF, rn + HALF, rn - HALF)
+        partners = tl.load(part_ptr + partner_cols, mask=n_mask, other=0.0, cache_modifier=".cg")
+    return partners
+
+
+@triton.jit
+def _rope_epilogue(t, rn, n_mask, out_ptr, part_ptr, cos, sin, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
+                   qk_eps, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PARTNER: tl.constexpr):
+    # the qkv tile's finished columns t [BN] (fp16 values in fp32, at columns rn) -> rotary q stored to out
+    # [Q_SIZE]; rotary k and v written to the KV-cache slot (cos, sin: ``_rope_angles``; slot: ``rope_position``).
+    # QK_NORM (Qwen3): each q and k head is RMS-normalized by q_norm / k_norm [HEAD_DIM] before rotary (a tile
+    # holds whole heads). Each column's rotary partner comes from ``_partners``
     HALF: tl.constexpr = HEAD_DIM // 2
     d = rn % HEAD_DIM
-    first = d < HALF
-    partner = tl.where(first, rn + HALF, rn - HALF)
-    CHUNK: tl.constexpr = 16 if SPLITS > 16 else SPLITS  # noqa: FURB136 (constexpr arithmetic in @jit)
-    t = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
-    tp = _tile_total(part_ptr, partner, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, CHUNK, scale)
-    if QK_NORM:  # a tile holds whole heads, and a column's rotary partner is in its head
-        d_partner = partner % HEAD_DIM
-        in_q = rn < Q_SIZE
-        weight = tl.where(in_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d))
-        weight_partner = tl.where(in_q, tl.load(q_norm_ptr + d_partner), tl.load(k_norm_ptr + d_partner))
-        in_v = rn >= Q_SIZE + KV_SIZE  # v is not normalized (whole heads of v: the masks agree per head)
-        t = tl.where(in_v, t, _head_norm(t, weight, qk_eps, BLOCK_N, HEAD_DIM))
-        tp = tl.where(in_v, tp, _head_norm(tp, weight_partner, qk_eps, BLOCK_N, HEAD_DIM))
-    pos = tl.load(pos_ptr).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d % HALF)
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d % HALF)
-    rotated = tl.where(first, t * cos - tp * sin, t * cos + tp * sin)
     is_q = rn < Q_SIZE
     is_v = rn >= Q_SIZE + KV_SIZE
+    if QK_NORM:  # v is not normalized (whole heads of v: the masks agree per head)
+        weight = tl.where(is_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d))
+        t = tl.where(is_v, t, _head_norm(t, weight, qk_eps, BLOCK_N, HEAD_DIM))
+    tp = _partners(t, rn, n_mask, part_ptr, HEAD_DIM, BLOCK_N, PARTNER)
+    rotated = tl.where(d < HALF, t * cos - tp * sin, t * cos + tp * sin)
     tl.store(out_ptr + rn, rotated.to(tl.float16), mask=n_mask & is_q)
-    slot = tl.load(slot_ptr).to(tl.int64)
     live = n_mask & ((slot + rn * 0) >= 0)  # a tensor mask: the interpreter mistypes scalar-bool & tensor
     k_col = rn - Q_SIZE
     v_col = rn - Q_SIZE - KV_SIZE
     tl.store(k_cache_ptr + slot * KV_SIZE + k_col, rotated.to(tl.float16), mask=live & ~is_q & ~is_v)
     tl.store(v_cache_ptr + slot * KV_SIZE + v_col, t.to(tl.float16), mask=live & is_v)
+
+
+@triton.jit
+def rope_position(pos_ptr, slot_ptr, EPILOGUE: tl.constexpr):
+    # ROPE: this step's position and KV-cache slot (int64 scalars; 0 for other epilogues). Step inputs, written
+    # before the previous kernel ran, so a program reads them before waiting on it (PDL): in the last program's
+    # tail the cos / sin rows then load beside the partials, not after a load of the position
+    if EPILOGUE == ROPE:
+        pos = tl.load(pos_ptr).to(tl.int64)
+        slot = tl.load(slot_ptr).to(tl.int64)
+    else:
+        pos = 0
+        slot = 0
+    return pos, slot
 
 
 X16_ROUND: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: + and - it round an fp32 below 2^22 to even
@@ -193,20 +235,18 @@ def store_x16(values, cols, n, x16_ptr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                       q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr,
-                       EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr):
-    # one split: the program holds its tile's whole product y [BN]. STORE / RESIDUAL finish from registers;
-    # ROPE needs each column's rotary partner, held by another thread of the program, so the tile goes through
-    # the partial buffer and a barrier (one L2 round trip, no ticket)
+def one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr,
+                       k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE: tl.constexpr,
+                       Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PARTNER: tl.constexpr, HAS_BIAS: tl.constexpr, NEXT_NORM: tl.constexpr,
+                       X16_OUT: tl.constexpr):
+    # one split: the program holds its tile's whole product y [BN] and finishes from registers (ROPE takes each
+    # column's rotary partner from another thread of the program: ``_partners``; part_ptr: its exchange buffer)
     if EPILOGUE == ROPE:
-        tl.store(part_ptr + rn, y, mask=n_mask)
-        tl.debug_barrier()  # every thread's columns are stored before any partner is read
-        _rope_epilogue(part_ptr, rn, n_mask, 1, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                       v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, 1.0, Q_SIZE, KV_SIZE, HEAD_DIM, 1,
-                       QK_NORM, BLOCK_N, HAS_BIAS)
+        cos, sin = _rope_angles(cos_sin_ptr, pos, rn, HEAD_DIM)
+        _rope_epilogue(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), rn, n_mask, out_ptr, part_ptr, cos, sin, slot,
+                       k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM,
+                       BLOCK_N, PARTNER)
     else:
         _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, N, next_norm_ptr,
                     normed_out_ptr, x16_out_ptr, EPILOGUE, NEXT_NORM, X16_OUT, BLOCK_N)
@@ -218,13 +258,15 @@ def _store_tile(total, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x1
     # STORE / RESIDUAL: the tile's fp16-rounded product total [BN] (fp32) stored, or added into the residual;
     # NEXT_NORM (RESIDUAL): the new residual times the next RMSNorm's weight also stored, in fp16 (the product of
     # two fp16 values is exact in fp32: one rounding, as the next GEMV's own half2 multiply would give); X16_OUT:
-    # that row also in 16-bit fixed point (``store_x16``), the next GEMV's integer dot's input
+    # that row also in 16-bit fixed point (``store_x16``), the next GEMV's integer dot's input. The loads come
+    # before the first store, which they could alias: after it, the weight's load waited for the partials
     if EPILOGUE == RESIDUAL:
         total += tl.load(out_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    if NEXT_NORM:
+        weight = tl.load(next_norm_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     stored = total.to(tl.float16)
     tl.store(out_ptr + rn, stored, mask=n_mask)
     if NEXT_NORM:
-        weight = tl.load(next_norm_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
         normed = (stored.to(tl.float32) * weight).to(tl.float16)
         tl.store(normed_out_ptr + rn, normed, mask=n_mask)
         if X16_OUT:
@@ -233,15 +275,16 @@ def _store_tile(total, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x1
 
 @triton.jit
 def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
-                   out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps,
+                   out_ptr, cos_sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps,
                    bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, K, eps, EPILOGUE: tl.constexpr,
                    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-                   QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                   NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr):
+                   QK_NORM: tl.constexpr, BLOCK_N: tl.constexpr, PARTNER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   NORM: tl.constexpr, NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr):
     # this program's partial y [BN] stored; the last of the tile's programs to arrive sums them and finishes.
     # With NORM the partials are of (weight * x) . W, and the last program scales their sum by 1 / rms(x), taken
-    # from the sums of squares each split stored for its slice of x: the tail's loads (partials and [splits]
-    # sums) are then one L2 round trip, where reducing the whole row there was a second one after it
+    # from the sums of squares each split stored for its slice of x. The tail issues its loads (the squares, the
+    # rotary angles, the partials) before it uses any of them, so they share one L2 round trip: reducing the
+    # squares first (shuffles) held the partials' loads back until the squares had come (SASS, session 20)
     tl.store(part_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_mask)
     num_tiles = tl.num_programs(0)
     if NORM:
@@ -254,26 +297,33 @@ def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn
         arrivals = splits
     if last_to_arrive(lock_ptr, counter, arrivals):
         if NORM:
-            scale = _inv_rms_of_slices(squares_ptr, pid_n, num_tiles, splits, K, eps, SPLITS)
+            part_squares = _split_squares(squares_ptr, pid_n, num_tiles, splits, SPLITS)
         else:
-            scale = 1.0
+            part_squares = 0.0
         if EPILOGUE == SILU:
             inter = N // 2
             gate_cols = counter * BLOCK_N + tl.arange(0, BLOCK_N)
             live = gate_cols < inter
-            gate = _tile_total(part_ptr, gate_cols, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
-            up = _tile_total(part_ptr, gate_cols + inter, live, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
+            gate = _tile_sum(part_ptr, gate_cols, live, splits, N, SPLITS, SPLITS)
+            up = _tile_sum(part_ptr, gate_cols + inter, live, splits, N, SPLITS, SPLITS)
+            scale = _norm_scale(part_squares, K, eps, NORM)
+            gate = _rounded(gate * scale, gate_cols, live, bias_ptr, HAS_BIAS)
+            up = _rounded(up * scale, gate_cols + inter, live, bias_ptr, HAS_BIAS)
             act = (gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32)
             product = (act * up).to(tl.float16)
             tl.store(out_ptr + gate_cols, product, mask=live)
             if X16_OUT:
                 store_x16(product.to(tl.float32), gate_cols, inter, x16_out_ptr, BLOCK_N)
         elif EPILOGUE == ROPE:
-            _rope_epilogue(part_ptr, rn, n_mask, splits, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, scale, Q_SIZE, KV_SIZE, HEAD_DIM,
-                           SPLITS, QK_NORM, BLOCK_N, HAS_BIAS)
+            cos, sin = _rope_angles(cos_sin_ptr, pos, rn, HEAD_DIM)
+            CHUNK: tl.constexpr = 16 if SPLITS > 16 else SPLITS  # noqa: FURB136 (constexpr arithmetic in @jit)
+            total = _tile_sum(part_ptr, rn, n_mask, splits, N, SPLITS, CHUNK)
+            t = _rounded(total * _norm_scale(part_squares, K, eps, NORM), rn, n_mask, bias_ptr, HAS_BIAS)
+            _rope_epilogue(t, rn, n_mask, out_ptr, part_ptr, cos, sin, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr,
+                           k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, PARTNER)
         else:
-            total = _tile_total(part_ptr, rn, n_mask, splits, N, SPLITS, bias_ptr, HAS_BIAS, SPLITS, scale)
+            total = _tile_sum(part_ptr, rn, n_mask, splits, N, SPLITS, SPLITS)
+            total = _rounded(total * _norm_scale(part_squares, K, eps, NORM), rn, n_mask, bias_ptr, HAS_BIAS)
             _store_tile(total, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE,
                         NEXT_NORM, X16_OUT, BLOCK_N)
         rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
@@ -296,27 +346,27 @@ def dot_input(x_ptr, normed_ptr, k_start, k_end, NORM: tl.constexpr, PRESCALED: 
 
 
 @triton.jit
-def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr,
-                slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr,
+def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos,
+                slot, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr,
                 x16_out_ptr, rn, n_mask, N, K, splits, lock_rest, eps, qk_eps, NORM: tl.constexpr,
                 EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                 QK_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+                NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr, BLOCK_N: tl.constexpr, PARTNER: tl.constexpr):
     # a GEMV program's product of its column tile, y [BN] (with NORM, of (weight * x) . W: still to be scaled
     # by 1 / rms), finished: in registers when the tile's whole sum is here (one split, not SILU), else through
-    # the partials and the ticket (``squares``: this split's sum of squares of x, from ``dot_input``)
+    # the partials and the ticket (``squares``: this split's sum of squares of x, from ``dot_input``). PARTNER
+    # (ROPE): how far apart in the tile a column and its rotary partner lie, or 0 (``_partners``)
     if SPLITS == 1 and EPILOGUE != SILU:
         if NORM:
             y = y * inv_rms(x_ptr, K, eps, NORM_BLOCK)
-        one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr,
-                           x16_out_ptr, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, HAS_BIAS, NEXT_NORM,
-                           X16_OUT)
+        one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr,
+                           k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE, Q_SIZE,
+                           KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, PARTNER, HAS_BIAS, NEXT_NORM, X16_OUT)
     else:
         split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
-                       out_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
+                       out_ptr, cos_sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
                        qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, K, eps, EPILOGUE, Q_SIZE,
-                       KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N, HAS_BIAS, NORM, NEXT_NORM, X16_OUT)
+                       KV_SIZE, HEAD_DIM, SPLITS, QK_NORM, BLOCK_N, PARTNER, HAS_BIAS, NORM, NEXT_NORM, X16_OUT)
 
 
 def norm_block(k: int, k_per_split: int, splits: int, silu: bool) -> int:

@@ -51,6 +51,7 @@ from kernels.triton.gemv_epilogue import (
     dot_input,
     epilogue_launch,
     finish_tile,
+    rope_position,
 )
 from kernels.triton.split_k import split_k
 from kernels.triton.tuned import tuned_tile
@@ -555,6 +556,7 @@ def _gemv_kernel(
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
     qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
                                          n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
+    pos, slot = rope_position(pos_ptr, slot_ptr, EPILOGUE)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -583,11 +585,11 @@ def _gemv_kernel(
                                USE_ASM, False, ROW_GROUPS, TWO_GROUPS)
             qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
-    finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
+    finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
                 k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
                 K,
                 splits, lock_rest, eps, qk_eps, NORM, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, HAS_BIAS, SPLITS,
-                NORM_BLOCK, NEXT_NORM, X16_OUT, BLOCK_N)
+                NORM_BLOCK, NEXT_NORM, X16_OUT, BLOCK_N, HEAD_DIM // 2)  # a tile holds whole heads
 
 
 @dataclass(frozen=True)
