@@ -7,6 +7,9 @@ changes, so a change is judged against its predecessor in the same run. The base
     git show HEAD~1:kernels/triton/w4a16_gemv.py > scratch/old_w4a16_gemv.py
     python3 bench/gemv_ab.py --baseline-file scratch/old_w4a16_gemv.py --out bench/results/kernels_gemv_ab.json
 
+A change to the shared epilogue (``gemv_epilogue.py``) needs the earlier package whole: ``bash
+bench/baseline_kernels.sh <commit>`` writes it as .devcache/baseline_kernels, then ``--baseline-package .devcache``.
+
 Each case is a launch of the fused decode layer (SmolLM2-135M, Llama-2-7B and Llama-3-8B shapes, default
 plans) with the arguments the engine passes to that version (the prescaled norm input where it has one),
 timed as CUDA-graph replays over rotating weights, baseline and current alternately, twice each.
@@ -15,6 +18,7 @@ timed as CUDA-graph replays over rotating weights, baseline and current alternat
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import inspect
 import json
@@ -81,12 +85,21 @@ def engine_kwargs(module, fused: dict, prescaled: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline-file", required=True, type=Path)
+    baseline = parser.add_mutually_exclusive_group(required=True)
+    baseline.add_argument("--baseline-file", type=Path, help="an earlier w4a16_gemv.py (with the tree's epilogue)")
+    baseline.add_argument("--baseline-package", type=Path,
+                          help="the folder holding baseline_kernels/ (bench/baseline_kernels.sh): an earlier GEMV "
+                               "with its own epilogue")
     parser.add_argument("--out", default="bench/results/kernels_gemv_ab.json")
     parser.add_argument("--k-step", type=int, default=None,
                         help="also time the current kernel's o and down launches with K steps of this many rows")
     args = parser.parse_args()
-    versions = {"baseline": (load_baseline(args.baseline_file), None), "current": (current, None)}
+    if args.baseline_package:
+        sys.path.insert(0, str(args.baseline_package.resolve()))
+        baseline = importlib.import_module("baseline_kernels.triton.w4a16_gemv")
+    else:
+        baseline = load_baseline(args.baseline_file)
+    versions = {"baseline": (baseline, None), "current": (current, None)}
     if args.k_step:
         versions[f"current_k{args.k_step}"] = (current, args.k_step)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -7,7 +7,7 @@
 #   bash bench/single_stream.sh peer tests,   then at once   bash bench/single_stream.sh latency,
 #   then   bash bench/single_stream.sh x16 kernels
 #
-# (carry .peers: ../shared/peers/fetch.sh fills it; with GEMV_BASELINE also .devcache). Steps:
+# (carry .peers: ../shared/peers/fetch.sh fills it; with a GEMV baseline also .devcache). Steps:
 #   peer      llama.cpp's build (~4.5 min on 16 cores, niced, in the background from the start, with the F16 GGUF
 #             and the latency step's random-weight models built beside it), then, with nothing else running,
 #             llama-bench on the quantized shapes and the fp16 7B, and llama-batched-bench at 1, 32 and 128
@@ -19,7 +19,8 @@
 #   x16       bench/latency.py on the 7B and 8B AWQ with --x16-rows (EngineArgs.x16_rows, off by default until
 #             this A/B against the latency step's figures of the same run): $OUT/latency_x16.json
 #   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, the fp16 GEMV against cuBLAS (and its
-#             plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py) the fused-layer launches A/B
+#             plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
+#             (bench/baseline_kernels.sh <commit>: GEMV and epilogue), the fused-layer launches A/B
 # $LATENCY_FLAGS: extra latency flags. Writes llamacpp.txt, latency.json, kernels_gemv*.json and single_stream.log
 # into $OUT (or bench/results).
 set -uo pipefail
@@ -86,6 +87,10 @@ for step in "${steps[@]}"; do
       if [ -n "${GEMV_BASELINE:-}" ]; then  # an earlier w4a16_gemv.py (git show <commit>:kernels/triton/w4a16_gemv.py)
         say "fused-layer launches against $GEMV_BASELINE"
         timeout 150 $PY bench/gemv_ab.py --baseline-file "$GEMV_BASELINE" --k-step 128 \
+          --out "$OUT_DIR/kernels_gemv_ab.json" 2>&1 | grep -E "baseline|Error" | tee -a "$LOG"
+      elif [ -d .devcache/baseline_kernels ]; then  # bench/baseline_kernels.sh <commit>: GEMV and epilogue of then
+        say "fused-layer launches against .devcache/baseline_kernels"
+        timeout 150 $PY bench/gemv_ab.py --baseline-package .devcache \
           --out "$OUT_DIR/kernels_gemv_ab.json" 2>&1 | grep -E "baseline|Error" | tee -a "$LOG"
       fi ;;
     *)
