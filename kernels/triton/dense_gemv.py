@@ -119,7 +119,7 @@ def _dense_gemv_kernel(
         gdc_wait()
         gdc_launch_dependents()
     MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
-    dot_ptr, squares = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
+    dot_ptr, x_slice = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -132,7 +132,7 @@ def _dense_gemv_kernel(
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w = w_next
     y = tl.sum(acc, axis=1)  # [BN]; with NORM, still to be scaled by 1 / rms(x)
-    finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
+    finish_tile(y, x_slice, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
                 k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
                 K,
                 splits, lock_rest, eps, qk_eps, NORM, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, HAS_BIAS, SPLITS,

@@ -61,11 +61,19 @@ def inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def slice_squares(x_ptr, k_start, k_end, BLOCK: tl.constexpr):
-    # sum of x^2 over this split's slice x[k_start:k_end] in fp32, BLOCK >= k_end - k_start: a few elements a
-    # thread and one warp reduction, so the finishing program reads [splits] sums instead of the whole row
+def _x_slice(x_ptr, k_start, k_end, BLOCK: tl.constexpr):
+    # this split's slice x[k_start:k_end] [BLOCK] (fp16, zeros past it), BLOCK >= k_end - k_start: loaded with the
+    # first step's x and reduced (``slice_squares``) only in the tail, so the loop's first loads do not wait for
+    # the reduction's shuffles (one memory round trip at the start of a NORM launch, not two: SASS, session 20)
     offs = k_start + tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + offs, mask=offs < k_end, other=0.0).to(tl.float32)
+    return tl.load(x_ptr + offs, mask=offs < k_end, other=0.0)
+
+
+@triton.jit
+def slice_squares(x_slice):
+    # sum of x^2 over a split's slice (``_x_slice``) in fp32: a few elements a thread and one warp reduction, so
+    # the finishing program reads [splits] sums instead of the whole row
+    v = x_slice.to(tl.float32)
     return tl.sum(v * v, axis=0)
 
 
@@ -333,20 +341,21 @@ def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn
 def dot_input(x_ptr, normed_ptr, k_start, k_end, NORM: tl.constexpr, PRESCALED: tl.constexpr, EPILOGUE: tl.constexpr,
               SPLITS: tl.constexpr, NORM_BLOCK: tl.constexpr):
     # the row a GEMV's dot reads (x; PRESCALED: x * norm weight, as the previous launch's NEXT_NORM wrote it) and,
-    # for a NORM launch that finishes through partials, the sum of squares of this split's slice of x
+    # for a NORM launch that finishes through partials, this split's slice of x (its squares are summed in the
+    # tail: ``finish_tile``)
     if PRESCALED:
         dot_ptr = normed_ptr
     else:
         dot_ptr = x_ptr
     if NORM and (SPLITS > 1 or EPILOGUE == SILU):
-        squares = slice_squares(x_ptr, k_start, k_end, NORM_BLOCK)
+        x_slice = _x_slice(x_ptr, k_start, k_end, NORM_BLOCK)
     else:
-        squares = 0.0
-    return dot_ptr, squares
+        x_slice = 0.0
+    return dot_ptr, x_slice
 
 
 @triton.jit
-def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos,
+def finish_tile(y, x_slice, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos,
                 slot, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr,
                 x16_out_ptr, rn, n_mask, N, K, splits, lock_rest, eps, qk_eps, NORM: tl.constexpr,
                 EPILOGUE: tl.constexpr, Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -354,7 +363,7 @@ def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr,
                 NEXT_NORM: tl.constexpr, X16_OUT: tl.constexpr, BLOCK_N: tl.constexpr, PARTNER: tl.constexpr):
     # a GEMV program's product of its column tile, y [BN] (with NORM, of (weight * x) . W: still to be scaled
     # by 1 / rms), finished: in registers when the tile's whole sum is here (one split, not SILU), else through
-    # the partials and the ticket (``squares``: this split's sum of squares of x, from ``dot_input``). PARTNER
+    # the partials and the ticket (``x_slice``: this split's slice of x, from ``dot_input``). PARTNER
     # (ROPE): how far apart in the tile a column and its rotary partner lie, or 0 (``_partners``)
     if SPLITS == 1 and EPILOGUE != SILU:
         if NORM:
@@ -363,6 +372,7 @@ def finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr,
                            k_norm_ptr, qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE, Q_SIZE,
                            KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, PARTNER, HAS_BIAS, NEXT_NORM, X16_OUT)
     else:
+        squares = slice_squares(x_slice) if NORM else 0.0
         split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn, n_mask, N, splits, lock_rest,
                        out_ptr, cos_sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
                        qk_eps, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, K, eps, EPILOGUE, Q_SIZE,

@@ -561,7 +561,7 @@ def _gemv_kernel(
         gdc_wait()
         gdc_launch_dependents()
     MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
-    dot_ptr, squares = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
+    dot_ptr, x_slice = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
     if ONE_STEP and X16:
         y = _step_dot_x16(x16_ptr, K, k_start, k_end, rr, qw, s, s_high, zz, zm, True, ROW_GROUPS, TWO_GROUPS, USE_ASM)
     elif ONE_STEP:
@@ -585,7 +585,7 @@ def _gemv_kernel(
                                USE_ASM, False, ROW_GROUPS, TWO_GROUPS)
             qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
-    finish_tile(y, squares, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
+    finish_tile(y, x_slice, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
                 k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
                 K,
                 splits, lock_rest, eps, qk_eps, NORM, EPILOGUE, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, HAS_BIAS, SPLITS,
