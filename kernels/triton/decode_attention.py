@@ -71,9 +71,14 @@ def _kv_tile(k_head, v_head, k_rows, v_rows, t_mask, d, d_mask, BLOCK_D: tl.cons
 
 
 @triton.jit
-def _softmax_step(acc, m_i, l_i, q, k, v, t_mask, qk_scale, P_SPLIT: tl.constexpr):
-    # one tile of keys into the online softmax of the query group q [GROUP_PAD, BLOCK_D]: k, v [BLOCK_N, BLOCK_D]
+def _softmax_step(acc, m_i, l_i, q, k, v, t_mask, qk_scale, P_SPLIT: tl.constexpr, k_new=0.0, v_new=0.0, is_new=0.0,
+                  NEWEST: tl.constexpr = False):
+    # one tile of keys into the online softmax of the query group q [GROUP_PAD, BLOCK_D]: k, v [BLOCK_N, BLOCK_D].
+    # NEWEST: the tile's row at is_new [BLOCK_N] (zeros in k and v) comes apart as k_new, v_new [BLOCK_D]
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+    if NEWEST:  # its scores in fp32 (the dot's are fp32 sums of exact fp16 products too)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale  # [GROUP_PAD]
+        s = tl.where(is_new[None, :], s_new[:, None], s)
     s = tl.where(t_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key yet (an empty context) adds 0
@@ -83,9 +88,15 @@ def _softmax_step(acc, m_i, l_i, q, k, v, t_mask, qk_scale, P_SPLIT: tl.constexp
     if P_SPLIT:  # p = hi + lo in two fp16 dots: the PV product keeps ~22 bits of p (tensor cores are idle here)
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(v.dtype), v)
+    if NEWEST:  # v's row is zero in the tile: its share added apart, p rounded as the dot's operand is
+        p_new = tl.sum(tl.where(is_new[None, :], p, 0.0), axis=1)  # [GROUP_PAD]
+        if not P_SPLIT:
+            p_new = p_new.to(v.dtype).to(tl.float32)
+        pv += p_new[:, None] * v_new.to(tl.float32)[None, :]
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -194,28 +205,36 @@ def _decode_kernel(
         if PREFETCH:
             # the first tile's keys before the newest are in the cache since earlier steps (and the block table
             # is a step input): loaded before waiting, their latency overlaps the qkv launch's tail. Only the
-            # newest token's K and V (position ctx - 1) and q come from that launch.
+            # newest token's K and V (position ctx - 1) and q come from that launch: loaded after the wait as
+            # rows apart, so the tile itself is ready (in shared memory for the dots) before it
             t = start + tl.arange(0, BLOCK_N)
             k_rows, v_rows = _kv_rows(bt_row, t, t < end, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
             k, v = _kv_tile(k_head, v_head, k_rows, v_rows, t < tl.minimum(end, ctx - 1), d, d_mask, BLOCK_D,
                             HEAD_DIM)
+            newest = tl.maximum(ctx - 1, 0)
+            is_new = (t == ctx - 1) & (t < end)  # [BLOCK_N]: at most one, in the last partition's first tile
+            new_here = (d * 0 + ((newest >= start) & (newest < end) & (newest < start + BLOCK_N)).to(tl.int32)) > 0
+            new_block = tl.load(bt_row + newest // BLOCK_SIZE).to(tl.int64)
+            k_new_row = k_head + new_block * stride_kb + newest % BLOCK_SIZE * stride_kt
+            v_new_row = v_head + new_block * stride_vb + newest % BLOCK_SIZE * stride_vt
         if USE_PDL:  # q and the newest K/V come from the kernel launched before this one
             gdc_wait()
             gdc_launch_dependents()
         rows = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + rows  # [GROUP_PAD] query heads of this KV head
         row_mask = rows < GROUP
+        if PREFETCH:  # (a tensor mask: the interpreter mistypes scalar-bool & tensor)
+            k_new = tl.load(k_new_row + d, mask=d_mask & new_here, other=0.0)  # [BLOCK_D]
+            v_new = tl.load(v_new_row + d, mask=d_mask & new_here, other=0.0)
         q = tl.load(q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, BLOCK_D]
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         rest = start
-        if PREFETCH:  # the newest token's row into the tile's registers, then the tile into the softmax
-            newest = ((t == ctx - 1) & (t < end))[:, None] & (d_mask[None, :] | (BLOCK_D == HEAD_DIM))
-            k = tl.load(k_head + k_rows + d[None, :], mask=newest, other=k)
-            v = tl.load(v_head + v_rows + d[None, :], mask=newest, other=v)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, t < end, qk_scale, P_SPLIT)
+        if PREFETCH:  # the first tile into the softmax, its newest row apart
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, t < end, qk_scale, P_SPLIT, k_new, v_new, is_new,
+                                          True)
             rest = start + BLOCK_N
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, bt_row, rest, end, stride_kb, stride_kt,
                                 stride_vb, stride_vt, qk_scale, d, d_mask, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
@@ -255,9 +274,10 @@ def reduce_chunk(group: int, block_d: int) -> int:
 
 
 def prefetches_first_tile(split: bool, block_d: int) -> bool:
-    """Whether a program loads its first tile of keys before waiting on the previous kernel. That tile's K and
-    V then sit in registers (at head size 128, 141-174 a thread against 100-128; at 256 it would spill), so
-    only where the KV is split: few (sequence, KV head) pairs, a launch bound by latency, not by occupancy."""
+    """Whether a program loads its first tile of keys before waiting on the previous kernel. That tile is held
+    through the wait (at head size 128 with the KV split: 128 registers a thread against 110 under Triton 3.6,
+    183 against 100 under 3.9; at 256 it would spill), so only where the KV is split: few (sequence, KV head)
+    pairs, a launch bound by latency, not by occupancy."""
     return split and block_d <= 128
 
 
