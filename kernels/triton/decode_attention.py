@@ -283,11 +283,15 @@ def prefetches_first_tile(split: bool, block_d: int) -> bool:
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_ctx: int, block_n: int, sms: int, chunk: int) -> int:
     """Split programs per (sequence, KV head): one when seqs x KV heads already fill the GPU, else enough for
-    ~4 programs per SM, at most one per tile of the longest context and four reduce steps of partitions."""
+    ~4 programs per SM, at most one per tile of the longest context and two reduce steps of partitions. The last
+    program combines the partials a chunk at a time, a memory round trip each: on the 8B (GQA 32/8, a chunk of 8)
+    at batch 1 and 2,048 tokens, 32 partitions of 64 keys (4 steps) took 9.86 us and 16 of 128 took 8.41, and at
+    256-1,024 tokens 16 split programs cut the keys as the fastest fixed split did (bench/kernels.py --only
+    decode1, H200, session 19). MHA's chunk of 32 partitions never binds."""
     base = num_seqs * num_kv_heads
     if base >= 2 * sms or max_ctx <= block_n:
         return 1
-    return max(1, min(cdiv(4 * sms, base), cdiv(max_ctx, block_n), 4 * chunk))
+    return max(1, min(cdiv(4 * sms, base), cdiv(max_ctx, block_n), 2 * chunk))
 
 
 def decode_attention(
