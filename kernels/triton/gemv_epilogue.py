@@ -57,7 +57,7 @@ def inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         v = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
         acc += v * v
-    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+    return _norm_scale(acc, K, eps, True)
 
 
 @triton.jit
@@ -250,14 +250,14 @@ def one_split_epilogue(y, part_ptr, rn, n_mask, N, out_ptr, cos_sin_ptr, pos, sl
                        X16_OUT: tl.constexpr):
     # one split: the program holds its tile's whole product y [BN] and finishes from registers (ROPE takes each
     # column's rotary partner from another thread of the program: ``_partners``; part_ptr: its exchange buffer)
+    t = _rounded(y, rn, n_mask, bias_ptr, HAS_BIAS)
     if EPILOGUE == ROPE:
         cos, sin = _rope_angles(cos_sin_ptr, pos, rn, HEAD_DIM)
-        _rope_epilogue(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), rn, n_mask, out_ptr, part_ptr, cos, sin, slot,
-                       k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM,
-                       BLOCK_N, PARTNER)
+        _rope_epilogue(t, rn, n_mask, out_ptr, part_ptr, cos, sin, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr,
+                       k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, PARTNER)
     else:
-        _store_tile(_rounded(y, rn, n_mask, bias_ptr, HAS_BIAS), out_ptr, rn, n_mask, N, next_norm_ptr,
-                    normed_out_ptr, x16_out_ptr, EPILOGUE, NEXT_NORM, X16_OUT, BLOCK_N)
+        _store_tile(t, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE, NEXT_NORM,
+                    X16_OUT, BLOCK_N)
 
 
 @triton.jit
@@ -322,18 +322,18 @@ def split_epilogue(y, squares, pid_n, pid_k, part_ptr, squares_ptr, lock_ptr, rn
             tl.store(out_ptr + gate_cols, product, mask=live)
             if X16_OUT:
                 store_x16(product.to(tl.float32), gate_cols, inter, x16_out_ptr, BLOCK_N)
-        elif EPILOGUE == ROPE:
-            cos, sin = _rope_angles(cos_sin_ptr, pos, rn, HEAD_DIM)
-            CHUNK: tl.constexpr = 16 if SPLITS > 16 else SPLITS  # noqa: FURB136 (constexpr arithmetic in @jit)
+        else:
+            if EPILOGUE == ROPE:  # (the angles' loads go out with the partials')
+                cos, sin = _rope_angles(cos_sin_ptr, pos, rn, HEAD_DIM)
+            CHUNK: tl.constexpr = 16 if EPILOGUE == ROPE and SPLITS > 16 else SPLITS  # ROPE: chunks (_tile_sum)
             total = _tile_sum(part_ptr, rn, n_mask, splits, N, SPLITS, CHUNK)
             t = _rounded(total * _norm_scale(part_squares, K, eps, NORM), rn, n_mask, bias_ptr, HAS_BIAS)
-            _rope_epilogue(t, rn, n_mask, out_ptr, part_ptr, cos, sin, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr,
-                           k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, PARTNER)
-        else:
-            total = _tile_sum(part_ptr, rn, n_mask, splits, N, SPLITS, SPLITS)
-            total = _rounded(total * _norm_scale(part_squares, K, eps, NORM), rn, n_mask, bias_ptr, HAS_BIAS)
-            _store_tile(total, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE,
-                        NEXT_NORM, X16_OUT, BLOCK_N)
+            if EPILOGUE == ROPE:
+                _rope_epilogue(t, rn, n_mask, out_ptr, part_ptr, cos, sin, slot, k_cache_ptr, v_cache_ptr, q_norm_ptr,
+                               k_norm_ptr, qk_eps, Q_SIZE, KV_SIZE, HEAD_DIM, QK_NORM, BLOCK_N, PARTNER)
+            else:
+                _store_tile(t, out_ptr, rn, n_mask, N, next_norm_ptr, normed_out_ptr, x16_out_ptr, EPILOGUE, NEXT_NORM,
+                            X16_OUT, BLOCK_N)
         rearm(lock_ptr, counter, lock_rest)  # lock_rest = LOCK_PERIOD - arrivals
 
 
