@@ -258,6 +258,42 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
         del k_cache, v_cache
 
 
+BATCHED_DECODE_CONTEXTS = (128, 192, 256)  # bench/throughput.py's 128 x (128 + 128): contexts 128-256
+
+
+def bench_decode_batched(copy_bw: float, extra: list, batch: int = 128) -> None:
+    """Decode attention of 128 sequences at the short contexts of issue 16's throughput run, where a 7B (MHA)
+    step reads ~12 GB of keys and values over its 32 layers, against the config variants around the default
+    (keys per tile, pipelining stages, warps): the default's stages were chosen on long contexts (64 x 4,096),
+    where a program loops over many tiles; here it has 2-4. Informational rows (fraction of copy bandwidth)."""
+    block_size = 16
+    default = decode_mod._config(block_size)
+    variants = [{}] + [{"BLOCK_N": n, "num_stages": s, "num_warps": w}
+                       for n in (32, 64) for s in (1, 2, 3) for w in (4, 8)] + [{"num_warps": 8}]
+    for kv_heads in (32, 8):
+        q = torch.randn(batch, 32, 128, dtype=DTYPE, device=DEV)
+        for ctx in BATCHED_DECODE_CONTEXTS:
+            kv_bytes = 2 * batch * ctx * kv_heads * 128 * 2
+            sets = [paged_kv(batch, ctx, kv_heads) for _ in range(2 if kv_bytes < L2_ROTATE_BYTES else 1)]
+            times = {}
+            for variant in variants:
+                config = {**default, **variant}
+                try:
+                    ms = bench_graph([partial(decode_mod.decode_attention, q, *kv, 128**-0.5, config=config)
+                                      for kv in sets])
+                except Exception as exc:  # noqa: BLE001 (a variant that does not fit is reported, not fatal)
+                    print(f"decode batch {batch} ctx {ctx} {variant}: {type(exc).__name__}", flush=True)
+                    continue
+                name = "default" if not variant else ",".join(f"{k}={v}" for k, v in variant.items())
+                times[name] = round(kv_bytes / ms / 1e6 / copy_bw, 3)
+            best = max(times, key=times.get)
+            label = f"paged decode batch {batch} x ctx {ctx}, 32/{kv_heads} heads"
+            extra.append(info(f"{label}: default, fraction of copy BW", times.get("default", float("nan")), "x"))
+            extra.append(info(f"{label}: best ({best}), fraction of copy BW", times[best], "x"))
+            print(json.dumps({"batch": batch, "kv_heads": kv_heads, "ctx": ctx, **times}), flush=True)
+            del sets
+
+
 def sdpa(q, k, v):
     kwargs = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
@@ -590,6 +626,7 @@ def main() -> None:
         "small": lambda: bench_small_ops(copy_bw, results),
         "decode": lambda: bench_decode(copy_bw, results, extra),
         "decode1": lambda: bench_decode_single_stream(extra),
+        "decodeN": lambda: bench_decode_batched(copy_bw, extra),
         "prefill": lambda: bench_prefill(results, extra),
         "w4a16": lambda: bench_w4a16(copy_bw, results, extra),
         "batched": lambda: bench_w4a16_batched(results, extra),
