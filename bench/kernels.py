@@ -198,6 +198,13 @@ def paged_kv(batch: int, ctx: int, kv_heads: int, head_dim: int = 128, block_siz
     return k_cache, v_cache, table, lens
 
 
+def paged_kv_sets(batch: int, ctx: int, kv_heads: int) -> tuple[list, int]:
+    """Paged K/V sets of ``batch`` x ``ctx`` tokens for a graph to rotate over (two where one would stay in L2),
+    and the bytes of K and V one decode-attention call reads."""
+    kv_bytes = 2 * batch * ctx * kv_heads * 128 * 2
+    return [paged_kv(batch, ctx, kv_heads) for _ in range(2 if kv_bytes < L2_ROTATE_BYTES else 1)], kv_bytes
+
+
 DECODE_CASES = [
     ("batch 64 x ctx 4096, MHA 32/32", 64, 4096, 32, 0.70),
     ("batch 64 x ctx 4096, GQA 32/8", 64, 4096, 8, 0.70),
@@ -208,8 +215,7 @@ DECODE_CASES = [
 
 def bench_decode(copy_bw: float, out: list, extra: list, config: dict | None = None) -> None:
     for label, batch, ctx, kv_heads, target in DECODE_CASES:
-        kv_bytes = 2 * batch * ctx * kv_heads * 128 * 2
-        sets = [paged_kv(batch, ctx, kv_heads) for _ in range(2 if kv_bytes < L2_ROTATE_BYTES else 1)]
+        sets, kv_bytes = paged_kv_sets(batch, ctx, kv_heads)
         q = torch.randn(batch, 32, 128, dtype=DTYPE, device=DEV)
         ms = bench_graph(
             [partial(decode_mod.decode_attention, q, *kv, 128**-0.5, config=config) for kv in sets]
@@ -273,8 +279,7 @@ def bench_decode_batched(copy_bw: float, extra: list, batch: int = 128) -> None:
     for kv_heads in (32, 8):
         q = torch.randn(batch, 32, 128, dtype=DTYPE, device=DEV)
         for ctx in BATCHED_DECODE_CONTEXTS:
-            kv_bytes = 2 * batch * ctx * kv_heads * 128 * 2
-            sets = [paged_kv(batch, ctx, kv_heads) for _ in range(2 if kv_bytes < L2_ROTATE_BYTES else 1)]
+            sets, kv_bytes = paged_kv_sets(batch, ctx, kv_heads)
             times = {}
             for variant in variants:
                 config = {**default, **variant}
