@@ -183,8 +183,9 @@ def add_common_args(parser: argparse.ArgumentParser, bench: str) -> None:
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--no-fused-decode", dest="fused_decode", action="store_false", default=None,
                         help="one-sequence decode through the unfused layer (for comparison)")
-    engine.add_argument("--x16-rows", action="store_true", default=None,
-                        help="the fused layer's int4 GEMVs on the integer dot over x16 rows (not yet the default)")
+    engine.add_argument("--x16-rows", action=argparse.BooleanOptionalAction, default=None,
+                        help="the fused layer's int4 GEMVs on the integer dot over x16 rows (the engine's default), "
+                             "or with --no-x16-rows on the half2 dot over fp16 rows (for comparison)")
     engine.add_argument("--gpu-memory-limit", default=None, help="absolute GPU budget, e.g. 24GiB")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
@@ -207,8 +208,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
             kwargs[name] = value
     if getattr(args, "fused_decode", None) is False:
         kwargs["fused_decode"] = False
-    if getattr(args, "x16_rows", None):
-        kwargs["x16_rows"] = True
+    if getattr(args, "x16_rows", None) is not None:
+        kwargs["x16_rows"] = args.x16_rows
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     return kwargs
 

@@ -5,7 +5,7 @@
 # so the machine stays warm (its /tmp keeps llama.cpp, the peer figures and the random-weight models):
 #
 #   bash bench/single_stream.sh peer tests,   then at once   bash bench/single_stream.sh latency,
-#   then   bash bench/single_stream.sh x16 kernels
+#   then   bash bench/single_stream.sh half2 kernels
 #
 # (carry .peers: ../shared/peers/fetch.sh fills it; with a GEMV baseline also .devcache). Steps:
 #   peer      llama.cpp's build (~4.5 min on 16 cores, niced, in the background from the start, with the F16 GGUF
@@ -16,8 +16,9 @@
 #             decoding against transformers (graphs and eager)
 #   latency   bench/latency.py: batch-1 decode of $MODELS (default SmolLM2, 7B AWQ, 7B fp16, 8B AWQ) and the 7B
 #             streamed through app.py serve; llama.cpp's figures from this machine's peer step (else recorded)
-#   x16       bench/latency.py on the 7B and 8B AWQ with --x16-rows (EngineArgs.x16_rows, off by default until
-#             this A/B against the latency step's figures of the same run): $OUT/latency_x16.json
+#   half2     bench/latency.py on the 7B and 8B AWQ with --no-x16-rows (the half2 dot over fp16 rows, the engine's
+#             default before session 22), the A/B of EngineArgs.x16_rows against the latency step's figures of the
+#             same run: $OUT/latency_half2.json
 #   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, the fp16 GEMV against cuBLAS (and its
 #             plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
 #             (bench/baseline_kernels.sh <commit>: GEMV and epilogue), the fused-layer launches A/B
@@ -72,10 +73,10 @@ for step in "${steps[@]}"; do
       timeout 480 $PY bench/latency.py --models "$SHAPES" --models-dir "$MODELS_DIR" --only decode,stream \
         --output-len 256 --repeats 3 --out "$OUT_DIR/latency.json" "${lcpp[@]}" "${LATENCY[@]}" 2>&1 \
         | grep -E "decode|roofline|streamed|targets|FAILED" | tee -a "$LOG" ;;
-    x16)
-      say "the 7B and 8B AWQ batch-1 decode with the fused layer's int4 rows in 16-bit fixed point (--x16-rows)"
+    half2)
+      say "the 7B and 8B AWQ batch-1 decode with the fused layer's int4 rows in fp16 (--no-x16-rows)"
       timeout 300 $PY bench/latency.py --models llama2-7b,llama3-8b --models-dir "$MODELS_DIR" --only decode \
-        --output-len 256 --repeats 3 --x16-rows --out "$OUT_DIR/latency_x16.json" "${LATENCY[@]}" 2>&1 \
+        --output-len 256 --repeats 3 --no-x16-rows --out "$OUT_DIR/latency_half2.json" "${LATENCY[@]}" 2>&1 \
         | grep -E "decode|roofline|targets|FAILED" | tee -a "$LOG" ;;
     kernels)
       say "int4 GEMV at M = 1 against GemLite and tinygemm"

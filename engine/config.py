@@ -81,9 +81,9 @@ class EngineArgs:
     enforce_eager: bool = False
     force_reference_kernels: bool = False
     fused_decode: bool = True  # one-sequence decode steps through the fused layer where the model allows it
-    # ... its int4 GEMVs reading their rows in 16-bit fixed point where that pays. Off until the whole fused layer
-    # with it has run on a GPU (its kernels have; the row-writing epilogue only interpreted): BENCHMARKS.md
-    x16_rows: bool = False
+    # ... its int4 GEMVs reading their rows in 16-bit fixed point where that pays (x16_rows_supported): 7B AWQ
+    # batch 1 +2.5%, 8B +1.1% in one H100 run (BENCHMARKS.md, session 22); off: the half2 dot over fp16 rows
+    x16_rows: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py); 1: this process alone
     async_scheduling: bool = True  # schedule a decode step before the previous one's tokens are back (vLLM's name)
 

@@ -253,6 +253,8 @@ def test_gpu_w4a16_gemv_x16(k, n, group_size, fusion, head_dim):
         pytest.skip("a rotary launch's N is q + k + v heads")
     if "silu" in fusion and n == 4144:
         pytest.skip("a SiLU launch's gate and up are whole column tiles")
+    if "next-norm" in fusion and n % 64:
+        pytest.skip("the next GEMV's x16 row is whole 64-column blocks (hidden sizes are), which the launcher checks")
     _cases().check_w4a16_gemv("cuda", k, n, group_size, False, fusion, head_dim=head_dim, x16=True)
 
 
