@@ -443,8 +443,8 @@ def sweep(copy_bw: float, path: str) -> None:
 
 
 MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's tiles timed by --sweep-mma
-    # every tile that won a case of session 16's sweep (21 cases); 256-row tiles never came within 5% of the
-    # best and are not swept again (each tile costs ~25 compiles a sweep, which bound its length)
+    # every tile that won a case of session 16's sweep (21 cases); its 256-row tiles (before the one-split
+    # registers) never came within 5% of the best (each tile costs ~25 compiles a sweep, which bound its length)
     (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2),
     # a wider weight tile a warpgroup (two 64-row wgmmas each step): x is staged once for 128 weight columns
     # instead of 64; compiled for sm_90 without spills (181-184 registers at BLOCK_M 64)
@@ -453,7 +453,14 @@ MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's ti
     # split only: Triton does not split a loop whose kernel keeps the split-K path); with split-K, x by TMA
     # gave NaN at 128-row tiles (sessions 14 and 15): the error check keeps such rows out of the table
     (128, 64, 4, 2, {"X_TMA": True}), (128, 64, 4, 3, {"X_TMA": True, "WARP_SPECIALIZE": True}),
+    # 256 rows in one tile, 128 weight columns over two warpgroups (wgmma 64 x 256 each): every weight unpacked
+    # once for 256 rows instead of twice. At 256 rows the best 128-row tiles ran at 0.67-0.79x of fp16 cuBLAS
+    # (session 22, H100), about the sum of the tensor-core time and the unpack's issue time. Since session 17's
+    # one-split registers these compile for sm_90 without spills (x by TMA: 167-170 registers, 137-209 KB of
+    # shared memory, one program an SM); with split-K they spill, so one split
+    (256, 128, 8, 2, {"X_TMA": True, "split": 1}), (256, 128, 8, 3, {"X_TMA": True, "split": 1}),
 ]
+WHOLE_TILE_ROWS = 128  # tiles whose BLOCK_M cap is above this are swept only at more rows (below, a 128 tile's)
 MMA_SWEEP_ROWS = (16, 32, 64, 128, 256)  # at 16 against the planes kernel, which the shipped path runs there
 MMA_SWEEP_SLOTS = (3,)  # besides the rule's split (the tiles fill each SM once): the split for 3 programs an SM
 
@@ -464,6 +471,8 @@ def mma_sweep_configs(m: int, n: int, k: int, sms: int) -> list[dict]:
     17-64 rows; session 14 found the loop latency-bound at 1.5 warps a scheduler)."""
     configs = []
     for tile in MMA_SWEEP:
+        if tile[0] > WHOLE_TILE_ROWS >= m:
+            continue
         rule = mma_cfg(m, n, k, *tile, sms=sms)
         tiles = -(-m // rule["BLOCK_M"]) * -(-n // rule["BLOCK_N"])
         for slots in (None, *(MMA_SWEEP_SLOTS if m <= 64 else ())):  # (at 128-256 rows tiles are many)
