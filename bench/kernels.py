@@ -267,36 +267,48 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
 BATCHED_DECODE_CONTEXTS = (128, 192, 256)  # bench/throughput.py's 128 x (128 + 128): contexts 128-256
 
 
-def bench_decode_batched(copy_bw: float, extra: list, batch: int = 128) -> None:
-    """Decode attention of 128 sequences at the short contexts of issue 16's throughput run, where a 7B (MHA)
-    step reads ~12 GB of keys and values over its 32 layers, against the config variants around the default
-    (keys per tile, pipelining stages, warps): the default's stages were chosen on long contexts (64 x 4,096),
-    where a program loops over many tiles; here it has 2-4. Informational rows (fraction of copy bandwidth)."""
-    block_size = 16
-    default = decode_mod._config(block_size)
-    variants = [{}] + [{"BLOCK_N": n, "num_stages": s, "num_warps": w}
-                       for n in (32, 64) for s in (1, 2, 3) for w in (4, 8)] + [{"num_warps": 8}]
+def decode_config_times(q, batch: int, ctx: int, kv_heads: int, variants: list[dict], copy_bw: float) -> dict:
+    """Fraction of copy bandwidth of each decode-attention config variant ({}: the default) at one case."""
+    default = decode_mod._config(16)
+    sets, kv_bytes = paged_kv_sets(batch, ctx, kv_heads)
+    times = {}
+    for variant in variants:
+        try:
+            ms = bench_graph([partial(decode_mod.decode_attention, q, *kv, 128**-0.5, config={**default, **variant})
+                              for kv in sets])
+        except Exception as exc:  # noqa: BLE001 (a variant that does not fit is reported, not fatal)
+            print(f"decode batch {batch} ctx {ctx} {variant}: {type(exc).__name__}", flush=True)
+            continue
+        name = "default" if not variant else ",".join(f"{k}={v}" for k, v in variant.items())
+        times[name] = round(kv_bytes / ms / 1e6 / copy_bw, 3)
+    return times
+
+
+# (batch, ctx): issue 16's 128 x (128 + 128) contexts with every variant, then the cases the default was chosen
+# on (DECODE_CASES) with its own tile at each pipelining depth: whether fewer stages (faster at short contexts,
+# session 22) cost anything where a program loops over many tiles
+DECODE_N_CASES = [(128, ctx) for ctx in BATCHED_DECODE_CONTEXTS] + [(64, 4096), (1, 32768)]
+SHORT_VARIANTS = [{}] + [{"BLOCK_N": n, "num_stages": s, "num_warps": w}
+                         for n in (32, 64) for s in (1, 2, 3) for w in (4, 8)] + [{"num_warps": 8}]
+STAGE_VARIANTS = [{}] + [{"num_stages": s} for s in (1, 2, 3)]
+
+
+def bench_decode_batched(copy_bw: float, extra: list) -> None:
+    """Decode attention at the short contexts of issue 16's throughput run (128 sequences; a 7B (MHA) step
+    reads ~12 GB of keys and values over its 32 layers) against the config variants around the default (keys
+    per tile, pipelining stages, warps), and at the default's own long-context cases with fewer stages: the
+    default's 4 stages were chosen on 64 x 4,096, where a program loops over many tiles; at 128-256 tokens it
+    has 2-4. Informational rows (fraction of copy bandwidth)."""
     for kv_heads in (32, 8):
-        q = torch.randn(batch, 32, 128, dtype=DTYPE, device=DEV)
-        for ctx in BATCHED_DECODE_CONTEXTS:
-            sets, kv_bytes = paged_kv_sets(batch, ctx, kv_heads)
-            times = {}
-            for variant in variants:
-                config = {**default, **variant}
-                try:
-                    ms = bench_graph([partial(decode_mod.decode_attention, q, *kv, 128**-0.5, config=config)
-                                      for kv in sets])
-                except Exception as exc:  # noqa: BLE001 (a variant that does not fit is reported, not fatal)
-                    print(f"decode batch {batch} ctx {ctx} {variant}: {type(exc).__name__}", flush=True)
-                    continue
-                name = "default" if not variant else ",".join(f"{k}={v}" for k, v in variant.items())
-                times[name] = round(kv_bytes / ms / 1e6 / copy_bw, 3)
+        for batch, ctx in DECODE_N_CASES:
+            q = torch.randn(batch, 32, 128, dtype=DTYPE, device=DEV)
+            variants = SHORT_VARIANTS if ctx in BATCHED_DECODE_CONTEXTS else STAGE_VARIANTS
+            times = decode_config_times(q, batch, ctx, kv_heads, variants, copy_bw)
             best = max(times, key=times.get)
             label = f"paged decode batch {batch} x ctx {ctx}, 32/{kv_heads} heads"
             extra.append(info(f"{label}: default, fraction of copy BW", times.get("default", float("nan")), "x"))
             extra.append(info(f"{label}: best ({best}), fraction of copy BW", times[best], "x"))
             print(json.dumps({"batch": batch, "kv_heads": kv_heads, "ctx": ctx, **times}), flush=True)
-            del sets
 
 
 def sdpa(q, k, v):
