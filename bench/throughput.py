@@ -185,9 +185,9 @@ def hf_generate(model_dir: Path, requests: list[RequestSpec], batch_size: int, d
         # 22 GiB reserved in blocks too small to reuse and ran out of an 80 GB card (session 22, H100), as
         # PyTorch's own message suggests; the engine after it runs on the allocator's defaults again
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
-                                                 device_map=device if cuda else None).eval()
     try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                     device_map=device if cuda else None).eval()
         hf_batch(model, [RequestSpec(r.prompt, 4) for r in requests[:2]], device)  # warm-up
         return sum(timed(hf_batch, device, model, requests[start:start + batch_size], device)[0]
                    for start in range(0, len(requests), batch_size))
