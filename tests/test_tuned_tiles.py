@@ -142,6 +142,11 @@ def test_at_16_rows_a_tile_must_beat_the_planes_kernel(tmp_path):
     assert tuned_table(beats_rule_only, 132) == {}
     beats_planes = [{**row, "shipped_us": 12.0} for row in beats_rule_only]
     assert tuned_table(beats_planes, 132)["4096x4096"]["16"]["split"] == 6
+    # a re-sweep on a card whose table already has the tile: "shipped" is that tile (10.0), the planes kernel
+    # is timed apart, and the tile still beats it
+    resweep = [{**row, "shipped_us": 10.0, "planes_us": 12.0} for row in beats_rule_only]
+    assert tuned_table(resweep, 132)["4096x4096"]["16"]["split"] == 6
+    assert tuned_table([{**row, "planes_us": 10.2} for row in resweep], 132) == {}  # within noise of planes
 
 
 def test_a_sweep_of_some_shapes_replaces_only_their_entries(tmp_path):
