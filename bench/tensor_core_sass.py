@@ -52,16 +52,17 @@ def planes(args: argparse.Namespace):
 
 
 def mma(args: argparse.Namespace):
-    """The transposed kernel on a 7B gate/up weight (K 4096, N 22016) at 128 rows, one split."""
+    """The transposed kernel on a 7B gate/up weight (K 4096, N 22016) at 128 rows, ``--splits`` splits."""
     dtype = DTYPES[args.dtype]
     x_src = Descriptor(dtype, (args.block_m, 128)) if args.x_tma else dtype
     values = {"x_src": x_src, "qw_desc": Descriptor(torch.int32, (16, args.block_n)), "scales_ptr": dtype,
               "zeros_ptr": dtype, "out_ptr": dtype, "part_ptr": torch.float32, "lock_ptr": torch.int32, "M": 128,
-              "N": 22016, "K": 4096, "k_per_split": 4096, "splits": 1, "lock_rest": 1023, "stride_xm": 4096,
+              "N": 22016, "K": 4096, "k_per_split": 4096 // args.splits, "splits": args.splits,
+              "lock_rest": 1024 - args.splits, "stride_xm": 4096,
               "stride_om": 22016,
               **{key: Constexpr(value) for key, value in {
                   "GROUP_SIZE": 128, "USE_ASM": True, "BLOCK_M": args.block_m, "BLOCK_N": args.block_n,
-                  "SPLITS": 1, "X_TMA": args.x_tma, "WARP_SPECIALIZE": args.warp_specialize}.items()}}
+                  "SPLITS": args.splits, "X_TMA": args.x_tma, "WARP_SPECIALIZE": args.warp_specialize}.items()}}
     return compile_source(_mma_kernel, values, num_warps=args.warps, num_stages=args.stages)
 
 
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--x-tma", action="store_true", help="mma: x copied by TMA")
+    parser.add_argument("--splits", type=int, default=1, help="mma: split-K (a power of two)")
     parser.add_argument("--warp-specialize", action="store_true", help="mma: a warp-specialized K loop")
     args = parser.parse_args()
     compiled = planes(args) if args.kernel == "planes" else mma(args)
