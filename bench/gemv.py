@@ -7,7 +7,9 @@ in-graph one the engine pays. Bytes counted: packed weights, scales and zeros (f
 ``--sweep`` times tile / split / warp variants of our kernel per shape (the basis of ``gemv_plan``).
 ``--dense`` times the fp16 GEMV (kernels/triton/dense_gemv.py) against cuBLAS's one-row matmul on the fp16
 7B layer, the LM heads and SmolLM2, with its plan variants (the basis of ``dense_gemv_plan``), into
-``--out`` (default kernels_gemv_dense.json).
+``--out`` (default kernels_gemv_dense.json). ``--x16`` times the fused layer's int4 launches with both dots at
+the rule's grid and others (``--x16-warps``); with ``--tuned-out`` the grids that beat the rule go into a copy of
+kernels/triton/tuned/w4a16_gemv.json for this card (``bench/single_stream.sh grids``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import bench_graph, copy_bandwidth, random_int4, sets_for
+from bench.kernels import TUNED_MARGIN, bench_graph, copy_bandwidth, random_int4, sets_for, write_tuned
 from kernels.reference import dequantize_int4
 from kernels.triton import w4a16 as w4a16_mod
 from kernels.triton.common import next_pow2, num_sms
@@ -243,7 +245,7 @@ def time_x16(args, copy_bw: float) -> None:
                 fused["residual"] = torch.zeros(1, n, dtype=torch.float16, device=DEV)
             x16 = quantize_x16(fused.get("normed", x))
             nbytes = weight_bytes(k, n, group)
-            row = {"layer": name, "launch": launch, "shape": f"{k}x{n} g{group}"}
+            row = {"layer": name, "launch": launch, "shape": f"{k}x{n} g{group}", "k": k, "n": n, "grids": []}
             grids = [(None, 64)] + [(per_sm, block_k) for per_sm in args.x16_warps for block_k in (64, 128)
                                     if group >= 64 or block_k == 64]
             for per_sm, block_k in grids:
@@ -253,12 +255,14 @@ def time_x16(args, copy_bw: float) -> None:
                 if plan.one_step and per_sm is not None:
                     continue
                 tag = "default" if per_sm is None else f"{per_sm} warps/SM k{block_k}"
+                grid = {"warps_per_sm": per_sm, "block_k": block_k}
                 for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
                     calls = [partial(w4a16_gemv, x, *w, group, plan=plan, **fused, **extra) for w in weights]
                     us = bench_graph(calls) * 1e3
-                    row[f"{dot} {tag} us"] = round(us, 2)
+                    row[f"{dot} {tag} us"] = grid[f"{dot}_us"] = round(us, 2)
                     if per_sm is None:
                         row[f"{dot} x copy BW"] = round(nbytes / (us * 1e-6) / 1e9 / copy_bw, 3)
+                row["grids"].append(grid)
             plain = {"normed": fused["normed"], "norm_weight": fused["norm_weight"]} if spec.get("norm") else {}
             exact = x.float() if not spec.get("norm") else fused["normed"].float()
             want = exact @ dequantize_int4(*weights[0], group).float()
@@ -277,6 +281,41 @@ def time_x16(args, copy_bw: float) -> None:
             del weights
             torch.cuda.empty_cache()
     write_rows(args.out or "bench/results/kernels_gemv_x16.json", copy_bw, x16=rows)
+    if args.tuned_out:
+        table = gemv_tuned_table(rows)
+        write_tuned(args.tuned_out, torch.cuda.get_device_name(), table, sorted({f"{r['k']}x{r['n']}" for r in rows}))
+        print(f"tuned grids: {json.dumps(table)}", flush=True)
+
+
+def gemv_tuned_table(rows: list[dict]) -> dict:
+    """kernels/triton/tuned/w4a16_gemv.json's table for one card from ``--x16`` rows: per "KxN", the grid (warps
+    an SM, K step) with the least x16 time summed over the launches of that shape (the 7B and 8B o share one),
+    where that beat the rule's grid by more than TUNED_MARGIN and kept the half2 dot within the same margin of
+    the rule's: one entry serves both dots (a model whose rows cannot be x16 keeps the half2 dot; session 19 chose
+    its H200 entries so by hand). ``launch_plan`` reads it at one row."""
+    by_shape: dict[str, dict[tuple, dict]] = {}
+    for row in rows:
+        for grid in row["grids"]:
+            key = (grid["warps_per_sm"], grid["block_k"])
+            total = by_shape.setdefault(f"{row['k']}x{row['n']}", {}).setdefault(key, {"half2": 0.0, "x16": 0.0,
+                                                                                       "launches": 0})
+            total["half2"] += grid["half2_us"]
+            total["x16"] += grid["x16_us"]
+            total["launches"] += 1
+    table = {}
+    for shape, grids in by_shape.items():
+        rule = grids.get((None, 64))
+        if rule is None:
+            continue
+        whole = [(key, t) for key, t in grids.items()  # grids timed for every launch of the shape
+                 if key[0] is not None and t["launches"] == rule["launches"]
+                 and t["half2"] <= rule["half2"] / TUNED_MARGIN]
+        if not whole:
+            continue
+        (warps_per_sm, block_k), best = min(whole, key=lambda item: item[1]["x16"])
+        if best["x16"] < TUNED_MARGIN * rule["x16"]:
+            table[shape] = {"1": {"block_k": block_k, "warps_per_sm": warps_per_sm}}
+    return table
 
 
 DENSE_SHAPES = {  # N x K of a Linear's fp16 weight: the fp16 7B layer (issue 15's fp16 target), heads, SmolLM2
@@ -349,6 +388,9 @@ def main() -> None:
     parser.add_argument("--x16", action="store_true", help="the fused layer's launches, half2 dot against x16")
     parser.add_argument("--x16-warps", default="12,16,32", type=lambda text: [int(v) for v in text.split(",")],
                         help="with --x16: the grids (warps an SM) timed beside the default plan")
+    parser.add_argument("--tuned-out", default=None,
+                        help="with --x16: put this card's fastest grids into this tuned table (a copy of "
+                             "kernels/triton/tuned/w4a16_gemv.json; the timed shapes' entries are replaced)")
     args = parser.parse_args()
     if args.fusions:
         time_fusions()

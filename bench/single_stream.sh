@@ -19,6 +19,9 @@
 #   half2     bench/latency.py on the 7B and 8B AWQ with --no-x16-rows (the half2 dot over fp16 rows, the engine's
 #             default before session 22), the A/B of EngineArgs.x16_rows against the latency step's figures of the
 #             same run: $OUT/latency_half2.json
+#   grids     bench/gemv.py --x16 on the 7B and 8B launches at 8-24 warps an SM and K steps of 64 and 128, both dots:
+#             the grids that beat the rule go to $OUT/w4a16_gemv.json (copy it over kernels/triton/tuned/, then
+#             rerun latency to see them in the step)
 #   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, the fp16 GEMV against cuBLAS (and its
 #             plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
 #             (bench/baseline_kernels.sh <commit>: GEMV and epilogue), the fused-layer launches A/B
@@ -78,6 +81,12 @@ for step in "${steps[@]}"; do
       timeout 300 $PY bench/latency.py --models llama2-7b,llama3-8b --models-dir "$MODELS_DIR" --only decode \
         --output-len 256 --repeats 3 --no-x16-rows --out "$OUT_DIR/latency_half2.json" "${LATENCY[@]}" 2>&1 \
         | grep -E "decode|roofline|targets|FAILED" | tee -a "$LOG" ;;
+    grids)
+      say "the fused layer's int4 launches at other grids; this card's fastest into \$OUT/w4a16_gemv.json"
+      cp kernels/triton/tuned/w4a16_gemv.json "$OUT_DIR/w4a16_gemv.json"  # the timed shapes' entries are replaced
+      timeout 300 $PY bench/gemv.py --x16 --only 7B,8B --x16-warps 8,12,16,20,24 \
+        --out "$OUT_DIR/kernels_gemv_x16.json" --tuned-out "$OUT_DIR/w4a16_gemv.json" 2>&1 \
+        | grep -E "tuned grids|Error" | tee -a "$LOG" ;;
     kernels)
       say "int4 GEMV at M = 1 against GemLite and tinygemm"
       timeout 150 $PY bench/gemv.py --only "8B,SmolLM2" --out "$OUT_DIR/kernels_gemv.json" 2>&1 \

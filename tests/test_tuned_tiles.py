@@ -192,3 +192,27 @@ def test_the_one_row_gemv_table_gives_valid_plans_of_its_grids():
     rule = gemv_plan(12288, 4096, 128, 132, head_dim=128, norm=True)
     tuned = gemv_plan(12288, 4096, 128, 132, head_dim=128, norm=True, warps_per_sm=12)
     assert tuned.split < rule.split
+
+
+def gemv_row(k: int, n: int, *grids: tuple) -> dict:
+    """A ``bench/gemv.py --x16`` row: grids as (warps an SM or None for the rule's, K step, half2 us, x16 us)."""
+    return {"k": k, "n": n, "grids": [{"warps_per_sm": warps, "block_k": block_k, "half2_us": half2, "x16_us": x16}
+                                      for warps, block_k, half2, x16 in grids]}
+
+
+def test_the_gemv_grid_table_serves_both_dots_and_every_launch_of_a_shape():
+    """bench/gemv.py --x16 --tuned-out: per weight shape, the grid fastest for the x16 dot summed over the
+    launches of that shape, only where it beat the rule's by more than noise and did not slow the half2 dot."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gemv import gemv_tuned_table
+
+    rows = [
+        gemv_row(4096, 4096, (None, 64, 6.0, 6.0), (12, 64, 5.5, 5.0), (16, 64, 7.0, 4.5), (8, 64, 6.0, 4.0)),
+        gemv_row(4096, 4096, (None, 64, 6.0, 6.0), (12, 64, 5.5, 5.0), (16, 64, 7.0, 4.5)),  # the 8B o: no 8
+        gemv_row(4096, 12288, (None, 64, 10.0, 10.0), (12, 128, 10.0, 9.8)),  # 2%: noise
+        gemv_row(576, 960, (None, 64, 3.0, 3.1)),  # a one-step plan: the rule's grid only
+    ]
+    # 16 warps an SM: the fastest x16 sum but the half2 dot 17% slower; 8: not timed on every launch of the shape
+    assert gemv_tuned_table(rows) == {"4096x4096": {"1": {"block_k": 64, "warps_per_sm": 12}}}
+    faster = gemv_row(4096, 12288, (None, 64, 10.0, 10.0), (12, 128, 9.0, 9.0))
+    assert gemv_tuned_table([faster])["4096x12288"] == {"1": {"block_k": 128, "warps_per_sm": 12}}
