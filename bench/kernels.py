@@ -469,13 +469,17 @@ MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's ti
     # once for 256 rows instead of twice. At 256 rows the best 128-row tiles ran at 0.67-0.79x of fp16 cuBLAS
     # (session 22, H100), about the sum of the tensor-core time and the unpack's issue time. Since session 17's
     # one-split registers these compile for sm_90 without spills (x by TMA: 167-170 registers, 137-209 KB of
-    # shared memory, one program an SM); with split-K they spill, so one split
+    # shared memory, one program an SM)
     (256, 128, 8, 2, {"X_TMA": True, "split": 1}), (256, 128, 8, 3, {"X_TMA": True, "split": 1}),
     # the same 256 rows over one warpgroup and 64 weight columns (one wgmma of 64 x 256 a K step: the weight still
     # unpacked once for 256 rows, 165-167 registers): twice the programs of the 128-column tile, for the waves.
     # Session 23 (H100): 256 x 128 gave the 8B gate/up (224 tiles on 132 SMs) 0.96x fp16 but the 7B gate/up (172
     # tiles, two waves, the second a third full) 0.72x and the 7B qkv (96 tiles, one wave 73% full) 0.79x
     (256, 64, 4, 2, {"X_TMA": True, "split": 1}), (256, 64, 4, 3, {"X_TMA": True, "split": 1}),
+    # and with the rule's split, where the tiles leave SMs idle (8B o: 64 tiles of 64 columns, 8B qkv 96; at 256
+    # rows 0.66-0.72x of fp16): since the last program sums the partials 64 rows at a time they compile without
+    # spills at split 2-4 (204-222 registers; the whole 256-row sum spilled)
+    (256, 64, 4, 3, {"X_TMA": True}), (256, 128, 8, 3, {"X_TMA": True}),
 ]
 WHOLE_TILE_ROWS = 128  # tiles whose BLOCK_M cap is above this are swept only at more rows (below, a 128 tile's)
 MMA_SWEEP_ROWS = (16, 32, 64, 128, 256)  # at 16 against the planes kernel, which the shipped path runs there

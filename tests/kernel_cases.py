@@ -283,6 +283,9 @@ MMA_VARIANTS = {
     "x-tma": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 3, "X_TMA": True},
     "x-tma-ws": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 1, "X_TMA": True,
                  "WARP_SPECIALIZE": True},
+    # 256 rows a tile with split-K: the last program sums the partials 64 rows at a time (kept at 256 rows
+    # under the interpreter too, so the CPU runs that loop)
+    "256-rows": {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "split": 2, "X_TMA": True},
 }
 
 
@@ -294,7 +297,7 @@ def check_w4a16_mma(device: str, dtype: torch.dtype, m: int, k: int, n: int, gro
 
     cfg = dict(MMA_VARIANTS[variant])
     if INTERPRET:
-        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 32), BLOCK_N=32, num_stages=1)
+        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 256 if variant == "256-rows" else 32), BLOCK_N=32, num_stages=1)
     qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
     perm = torch.randperm(k, device=device) if act_order else None
     for call in range(2):
@@ -594,7 +597,7 @@ def test_w4a16_planes_split_counters_survive_repeated_calls():
 @pytest.mark.parametrize(
     "m,group_size,act_order,variant",
     [(17, 128, False, "split"), (40, 256, True, "no-split"), (33, 128, False, "wide"), (45, 128, False, "x-tma"),
-     (37, 128, True, "x-tma-ws"), (11, 128, False, "16-rows")],
+     (37, 128, True, "x-tma-ws"), (11, 128, False, "16-rows"), (300, 128, False, "256-rows")],
 )
 def test_w4a16_mma(m, group_size, act_order, variant):
     check_w4a16_mma("cpu", torch.float16, m, 768, 48, group_size, act_order, variant)

@@ -265,7 +265,8 @@ def test_tuned_mma_tiles_compile_for_hopper(config):
 
 @pytest.mark.parametrize(("block_m", "block_n", "warps", "stages", "splits", "warp_specialize"), [
     (128, 64, 4, 3, 1, False), (64, 64, 4, 3, 2, False), (128, 64, 4, 3, 1, True), (256, 128, 8, 2, 1, False),
-    (256, 128, 8, 3, 1, False), (256, 64, 4, 2, 1, False), (256, 64, 4, 3, 1, False)])
+    (256, 128, 8, 3, 1, False), (256, 64, 4, 2, 1, False), (256, 64, 4, 3, 1, False), (256, 64, 4, 3, 2, False),
+    (256, 128, 8, 3, 4, False), (256, 64, 4, 3, 8, False), (256, 128, 8, 3, 16, False)])
 def test_mma_switches_for_the_sweep_compile_for_hopper(block_m, block_n, warps, stages, splits, warp_specialize):
     """x copied by TMA (and the K loop warp-specialized): tiles bench/kernels.py --sweep-mma tries. They compile
     without spills, the weight still a register operand; a warp-specialized loop sets its partitions'

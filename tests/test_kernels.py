@@ -187,7 +187,7 @@ def test_gpu_w4a16_planes_variants(dtype, variant, m, act_order):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ["split", "no-split", "wide", "x-tma", "x-tma-ws"])
+@pytest.mark.parametrize("variant", ["split", "no-split", "wide", "x-tma", "x-tma-ws", "256-rows"])
 @pytest.mark.parametrize("m,act_order", [(17, False), (100, True), (128, False), (256, True)])
 def test_gpu_w4a16_mma_variants(dtype, variant, m, act_order):
     # N = 4144 is not a multiple of any tile width: the edge tile's masks are exercised

@@ -129,8 +129,16 @@ def _mma_kernel(
         tile = rn[:, None] + rm.to(tl.int64)[None, :] * N
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
         if last_to_arrive(lock_ptr, pid, splits):
-            total = sum_partials(part_ptr, tile, mask, splits, M * N, SPLITS)
-            tl.store(out_ptr + out_tile, total.to(dtype), mask=mask)
+            # the partials summed SUM_ROWS rows of x at a time: a 256-row tile's whole [BLOCK_N, BLOCK_M] sum
+            # beside the splits' loaded partials took 255 registers and spilled (compiled for sm_90); at 64 rows
+            # 204-222 up to 4 splits; fewer rows at once for more splits (the loads of all splits are in flight)
+            SUM_ROWS: tl.constexpr = BLOCK_M if BLOCK_M <= 128 else 256 // max(SPLITS, 4)
+            for first in tl.static_range(0, BLOCK_M, SUM_ROWS):
+                rows = pid_m * BLOCK_M + first + tl.arange(0, SUM_ROWS)
+                live = n_mask[:, None] & (rows < M)[None, :]
+                total = sum_partials(part_ptr, rn[:, None] + rows.to(tl.int64)[None, :] * N, live, splits, M * N,
+                                     SPLITS)
+                tl.store(out_ptr + rn[:, None] + rows.to(tl.int64)[None, :] * stride_om, total.to(dtype), mask=live)
             rearm(lock_ptr, pid, lock_rest)
 
 
