@@ -60,6 +60,20 @@ def _dequant_step(qw, s, zm, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _sum_rows_apart(part_ptr, out_ptr, rn, n_mask, pid_m, M, N, splits, stride_om, BLOCK_M: tl.constexpr,
+                    SPLITS: tl.constexpr):
+    # a 256-row tile's split-K total written SUM_ROWS rows of x at a time: its whole [BLOCK_N, BLOCK_M] sum beside
+    # the splits' loaded partials took 255 registers and spilled (compiled for sm_90); at 64 rows 204-222 up to 4
+    # splits, fewer rows at once for more splits (the loads of every split are in flight together)
+    SUM_ROWS: tl.constexpr = 256 // max(SPLITS, 4)
+    for first in tl.static_range(0, BLOCK_M, SUM_ROWS):
+        rows = (pid_m * BLOCK_M + first + tl.arange(0, SUM_ROWS)).to(tl.int64)
+        live = n_mask[:, None] & (rows < M)[None, :]
+        total = sum_partials(part_ptr, rn[:, None] + rows[None, :] * N, live, splits, M * N, SPLITS)
+        tl.store(out_ptr + rn[:, None] + rows[None, :] * stride_om, total.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def _mma_kernel(
     x_src,
     qw_desc,
@@ -129,16 +143,11 @@ def _mma_kernel(
         tile = rn[:, None] + rm.to(tl.int64)[None, :] * N
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
         if last_to_arrive(lock_ptr, pid, splits):
-            # the partials summed SUM_ROWS rows of x at a time: a 256-row tile's whole [BLOCK_N, BLOCK_M] sum
-            # beside the splits' loaded partials took 255 registers and spilled (compiled for sm_90); at 64 rows
-            # 204-222 up to 4 splits; fewer rows at once for more splits (the loads of all splits are in flight)
-            SUM_ROWS: tl.constexpr = BLOCK_M if BLOCK_M <= 128 else 256 // max(SPLITS, 4)
-            for first in tl.static_range(0, BLOCK_M, SUM_ROWS):
-                rows = pid_m * BLOCK_M + first + tl.arange(0, SUM_ROWS)
-                live = n_mask[:, None] & (rows < M)[None, :]
-                total = sum_partials(part_ptr, rn[:, None] + rows.to(tl.int64)[None, :] * N, live, splits, M * N,
-                                     SPLITS)
-                tl.store(out_ptr + rn[:, None] + rows.to(tl.int64)[None, :] * stride_om, total.to(dtype), mask=live)
+            if BLOCK_M <= 128:
+                total = sum_partials(part_ptr, tile, mask, splits, M * N, SPLITS)
+                tl.store(out_ptr + out_tile, total.to(dtype), mask=mask)
+            else:
+                _sum_rows_apart(part_ptr, out_ptr, rn, n_mask, pid_m, M, N, splits, stride_om, BLOCK_M, SPLITS)
             rearm(lock_ptr, pid, lock_rest)
 
 
