@@ -8,8 +8,8 @@ in-graph one the engine pays. Bytes counted: packed weights, scales and zeros (f
 ``--dense`` times the fp16 GEMV (kernels/triton/dense_gemv.py) against cuBLAS's one-row matmul on the fp16
 7B layer, the LM heads and SmolLM2, with its plan variants (the basis of ``dense_gemv_plan``), into
 ``--out`` (default kernels_gemv_dense.json). ``--x16`` times the fused layer's int4 launches with both dots at
-the rule's grid and others (``--x16-warps``); with ``--tuned-out`` the grids that beat the rule go into a copy of
-kernels/triton/tuned/w4a16_gemv.json for this card (``bench/single_stream.sh grids``).
+the rule's grid and others (``--x16-warps``); with ``--tuned-out`` the grids that beat the rule go into a copy
+of kernels/triton/tuned/w4a16_gemv.json for this card (``bench/single_stream.sh grids``).
 """
 
 from __future__ import annotations
@@ -283,22 +283,23 @@ def time_x16(args, copy_bw: float) -> None:
     write_rows(args.out or "bench/results/kernels_gemv_x16.json", copy_bw, x16=rows)
     if args.tuned_out:
         table = gemv_tuned_table(rows)
-        write_tuned(args.tuned_out, torch.cuda.get_device_name(), table, sorted({f"{r['k']}x{r['n']}" for r in rows}))
+        shapes = sorted({f"{row['k']}x{row['n']}" for row in rows})
+        write_tuned(args.tuned_out, torch.cuda.get_device_name(), table, shapes)
         print(f"tuned grids: {json.dumps(table)}", flush=True)
 
 
 def gemv_tuned_table(rows: list[dict]) -> dict:
-    """kernels/triton/tuned/w4a16_gemv.json's table for one card from ``--x16`` rows: per "KxN", the grid (warps
-    an SM, K step) with the least x16 time summed over the launches of that shape (the 7B and 8B o share one),
-    where that beat the rule's grid by more than TUNED_MARGIN and kept the half2 dot within the same margin of
-    the rule's: one entry serves both dots (a model whose rows cannot be x16 keeps the half2 dot; session 19 chose
-    its H200 entries so by hand). ``launch_plan`` reads it at one row."""
+    """kernels/triton/tuned/w4a16_gemv.json's table for one card from ``--x16`` rows: per "KxN", the grid
+    (warps an SM, K step) with the least x16 time summed over the launches of that shape (the 7B and 8B o share
+    one), where that beat the rule's grid by more than TUNED_MARGIN and kept the half2 dot within the same margin
+    of the rule's: one entry serves both dots (a model whose rows cannot be x16 keeps the half2 dot; session 19
+    chose its H200 entries so by hand). ``launch_plan`` reads it at one row."""
     by_shape: dict[str, dict[tuple, dict]] = {}
     for row in rows:
         for grid in row["grids"]:
             key = (grid["warps_per_sm"], grid["block_k"])
-            total = by_shape.setdefault(f"{row['k']}x{row['n']}", {}).setdefault(key, {"half2": 0.0, "x16": 0.0,
-                                                                                       "launches": 0})
+            shape = by_shape.setdefault(f"{row['k']}x{row['n']}", {})
+            total = shape.setdefault(key, {"half2": 0.0, "x16": 0.0, "launches": 0})
             total["half2"] += grid["half2_us"]
             total["x16"] += grid["x16_us"]
             total["launches"] += 1

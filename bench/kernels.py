@@ -478,7 +478,7 @@ MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's ti
     (256, 64, 4, 2, {"X_TMA": True, "split": 1}), (256, 64, 4, 3, {"X_TMA": True, "split": 1}),
     # and with the rule's split, where the tiles leave SMs idle (8B o: 64 tiles of 64 columns, 8B qkv 96; at 256
     # rows 0.66-0.72x of fp16): since the last program sums the partials 64 rows at a time they compile without
-    # spills at split 2-4 (204-222 registers; the whole 256-row sum spilled)
+    # spills at 2-16 splits (204-222 registers; the whole 256-row sum spilled)
     (256, 64, 4, 3, {"X_TMA": True}), (256, 128, 8, 3, {"X_TMA": True}),
 ]
 WHOLE_TILE_ROWS = 128  # tiles whose BLOCK_M cap is above this are swept only at more rows (below, a 128 tile's)
@@ -530,8 +530,10 @@ def sweep_mma(path: str, tuned_out: str | None = None, only: str = "") -> None:
             t_s = bench_graph([partial(triton_ops.w4a16_matmul, x, *p, GROUP) for p in packed])
             # at 16 rows or fewer a tabled tile replaces the planes kernel, so "shipped" may be the tile itself
             # (a re-sweep then dropped every such entry, session 23): the planes kernel is timed on its own
-            planes = {"planes_us": 1e3 * bench_graph([partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="planes")
-                                                      for p in packed])} if m <= w4a16_mod.PLANES_MAX_M else {}
+            planes = {}
+            if m <= w4a16_mod.PLANES_MAX_M:
+                calls = [partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="planes") for p in packed]
+                planes["planes_us"] = bench_graph(calls) * 1e3
             expected = reference.w4a16_matmul(x.float(), *packed[0], GROUP)  # [m, n] float32
             rows = []
             for cfg in mma_sweep_configs(m, n, k, sms):

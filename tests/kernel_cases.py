@@ -297,7 +297,8 @@ def check_w4a16_mma(device: str, dtype: torch.dtype, m: int, k: int, n: int, gro
 
     cfg = dict(MMA_VARIANTS[variant])
     if INTERPRET:
-        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 256 if variant == "256-rows" else 32), BLOCK_N=32, num_stages=1)
+        rows = 256 if variant == "256-rows" else 32
+        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], rows), BLOCK_N=32, num_stages=1)
     qweight, scales, zeros = random_int4(device, dtype, k, n, group_size)
     perm = torch.randperm(k, device=device) if act_order else None
     for call in range(2):

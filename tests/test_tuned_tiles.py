@@ -196,8 +196,9 @@ def test_the_one_row_gemv_table_gives_valid_plans_of_its_grids():
 
 def gemv_row(k: int, n: int, *grids: tuple) -> dict:
     """A ``bench/gemv.py --x16`` row: grids as (warps an SM or None for the rule's, K step, half2 us, x16 us)."""
-    return {"k": k, "n": n, "grids": [{"warps_per_sm": warps, "block_k": block_k, "half2_us": half2, "x16_us": x16}
-                                      for warps, block_k, half2, x16 in grids]}
+    return {"k": k, "n": n, "grids": [
+        {"warps_per_sm": warps, "block_k": block_k, "half2_us": half2, "x16_us": x16}
+        for warps, block_k, half2, x16 in grids]}
 
 
 def test_the_gemv_grid_table_serves_both_dots_and_every_launch_of_a_shape():

@@ -70,7 +70,8 @@ def _sum_rows_apart(part_ptr, out_ptr, rn, n_mask, pid_m, M, N, splits, stride_o
         rows = (pid_m * BLOCK_M + first + tl.arange(0, SUM_ROWS)).to(tl.int64)
         live = n_mask[:, None] & (rows < M)[None, :]
         total = sum_partials(part_ptr, rn[:, None] + rows[None, :] * N, live, splits, M * N, SPLITS)
-        tl.store(out_ptr + rn[:, None] + rows[None, :] * stride_om, total.to(out_ptr.dtype.element_ty), mask=live)
+        out = out_ptr + rn[:, None] + rows[None, :] * stride_om
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
