@@ -7,10 +7,11 @@ import torch
 
 from engine import SamplingParams
 
-TEXT = ("The history of the river towns is a story of trade, floods and bridges. Merchants brought salt and "
-        "cloth upstream, while farmers sent grain and wool to the coast. Every spring the water rose, and every "
-        "summer the people rebuilt what the river had taken. Over centuries the bridges grew from rope to timber "
-        "to stone, and the towns grew with them into cities with markets, schools and libraries.").split()
+PASSAGE = ("The history of the river towns is a story of trade, floods and bridges. Merchants brought salt and "
+           "cloth upstream, while farmers sent grain and wool to the coast. Every spring the water rose, and every "
+           "summer the people rebuilt what the river had taken. Over centuries the bridges grew from rope to timber "
+           "to stone, and the towns grew with them into cities with markets, schools and libraries.")
+TEXT = PASSAGE.split()  # the words prompts are cut from
 
 
 def mixed_prompts(count: int) -> list[str]:

@@ -21,11 +21,13 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = {
     # SmolLM2-135M: GQA 9/3 heads, tied embeddings
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                     "tie_word_embeddings": True, "rope_theta": 100000.0},
     # Llama-2-7B layer shape, 4 layers to keep the build fast
-    "llama2-7b-4l": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4, num_attention_heads=32,
-                         num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0),
+    "llama2-7b-4l": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 4,
+                     "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+                     "tie_word_embeddings": False, "rope_theta": 10000.0},
 }
 
 
