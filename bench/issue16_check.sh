@@ -17,7 +17,8 @@
 #   sweep      bench/kernels.py --sweep-mma: the transposed kernel's tiles, switches and splits at 32-256 rows on the
 #              7B and 8B shapes; the card's fastest go to $OUT/w4a16_mma.json (copy it over
 #              kernels/triton/tuned/w4a16_mma.json: the swept shapes' entries are new, the others the tree's). It
-#              takes about two calls: SWEEP_SHAPES=8B, copy its table over the tree's, then SWEEP_SHAPES=7B
+#              takes about two calls: SWEEP_SHAPES=8B, copy its table over the tree's, then SWEEP_SHAPES=7B;
+#              SWEEP_ROWS=16,32,64 sweeps those row counts only (the table's other rows stay)
 # Writes the benches' JSON files and issue16_check.log (every step's whole output) into $OUT (or bench/results).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -69,7 +70,8 @@ for step in "${steps[@]}"; do
     sweep)
       cp kernels/triton/tuned/w4a16_mma.json "$OUT_DIR/w4a16_mma.json"  # the swept shapes' entries are replaced
       TAIL=30 run 540 kernels_mma_sweep "$PY" bench/kernels.py --only "" --sweep-mma "$OUT_DIR/kernels_mma_sweep.json" \
-        --mma-shapes "${SWEEP_SHAPES:-}" --tuned-out "$OUT_DIR/w4a16_mma.json" ;;
+        --mma-shapes "${SWEEP_SHAPES:-}" --mma-rows "${SWEEP_ROWS:-16,32,64,128,256}" \
+        --tuned-out "$OUT_DIR/w4a16_mma.json" ;;
     *)
       say "unknown step $step" ;;
   esac

@@ -481,6 +481,13 @@ MMA_SWEEP = [  # BLOCK_M cap, BLOCK_N, warps, stages: the transposed kernel's ti
     # spills at 2-16 splits (204-222 registers; the whole 256-row sum spilled)
     (256, 64, 4, 3, {"X_TMA": True}), (256, 128, 8, 3, {"X_TMA": True}),
 ]
+# deeper pipelines where rows are few: a split-K program of 16-64 rows runs only 4-8 K steps, so the loop's
+# start (stages - 1 loads in flight) is much of its time; session 23's H100 sweep found 3 stages 15-35% faster than
+# 2 at 16-32 rows (8B down at 16 rows, 3 splits a SM: 42.7 -> 27.1 us) and never tried more. These compile for sm_90
+# without spills (Triton 3.9: 47-130 registers, 28-138 KB of shared memory at BLOCK_M 16-64, 1 or 4 splits)
+MMA_SWEEP_DEEP = [(64, 64, 4, 4), (64, 64, 4, 5), (64, 64, 4, 6), (64, 128, 8, 4), (64, 128, 8, 5),
+                  (64, 128, 4, 4)]
+DEEP_MAX_ROWS = 64  # MMA_SWEEP_DEEP is swept at this many rows or fewer
 WHOLE_TILE_ROWS = 128  # tiles whose BLOCK_M cap is above this are swept only at more rows (below, a 128 tile's)
 MMA_SWEEP_ROWS = (16, 32, 64, 128, 256)  # at 16 against the planes kernel, which the shipped path runs there
 MMA_SWEEP_SLOTS = (3,)  # besides the rule's split (the tiles fill each SM once): the split for 3 programs an SM
@@ -491,7 +498,7 @@ def mma_sweep_configs(m: int, n: int, k: int, sms: int) -> list[dict]:
     programs where that differs (a loop bound by latency at few tiles wants more programs in flight; issue 16's
     17-64 rows; session 14 found the loop latency-bound at 1.5 warps a scheduler)."""
     configs = []
-    for tile in MMA_SWEEP:
+    for tile in MMA_SWEEP + (MMA_SWEEP_DEEP if m <= DEEP_MAX_ROWS else []):
         if tile[0] > WHOLE_TILE_ROWS >= m:
             continue
         rule = mma_cfg(m, n, k, *tile, sms=sms)
@@ -512,11 +519,12 @@ def mma_cfg(m: int, n: int, k: int, bm_cap: int, bn: int, warps: int, stages: in
     return w4a16_mma.mma_config(m, n, k, sms, tile)
 
 
-def sweep_mma(path: str, tuned_out: str | None = None, only: str = "") -> None:
-    """Times the transposed kernel's tiles (w4a16_mma.py) at 32-256 rows on the issue-16 shapes (``only``: those
-    whose names hold one of its comma-separated parts) against cuBLAS and the shipped path; writes
+def sweep_mma(path: str, tuned_out: str | None = None, only: str = "",
+              rows: tuple[int, ...] = MMA_SWEEP_ROWS) -> None:
+    """Times the transposed kernel's tiles (w4a16_mma.py) at ``rows`` (16-256) on the issue-16 shapes (``only``:
+    those whose names hold one of its comma-separated parts) against cuBLAS and the shipped path; writes
     {"w4a16_mma": [{shape, m, config, us, vs_fp16, fp16_us, shipped_us}]}, and with ``tuned_out`` this card's
-    tiles for the swept shapes there (``tuned_table``; the other shapes' entries stay)."""
+    tiles for the swept shapes and rows there (``tuned_table``; the other entries stay)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     found: dict = {"w4a16_mma": []}
     shapes = {label: kn for label, kn in BATCHED_SHAPES.items()
@@ -524,7 +532,7 @@ def sweep_mma(path: str, tuned_out: str | None = None, only: str = "") -> None:
     swept: list[str] = []
     for label, (k, n) in shapes.items():
         packed, dense = weight_sets(k, n)
-        for m in MMA_SWEEP_ROWS:
+        for m in rows:
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             t_h = bench_graph([partial(torch.matmul, x, w) for w in dense])
             t_s = bench_graph([partial(triton_ops.w4a16_matmul, x, *p, GROUP) for p in packed])
@@ -555,7 +563,8 @@ def sweep_mma(path: str, tuned_out: str | None = None, only: str = "") -> None:
         Path(path).write_text(json.dumps(found, indent=1))  # after each shape: a timeout keeps what was swept
         swept.append(f"{k}x{n}")
         if tuned_out:
-            write_tuned(tuned_out, torch.cuda.get_device_name(), tuned_table(found["w4a16_mma"], sms), swept)
+            write_tuned(tuned_out, torch.cuda.get_device_name(), tuned_table(found["w4a16_mma"], sms), swept,
+                        rows)
         del packed, dense
         torch.cuda.empty_cache()
 
@@ -595,20 +604,22 @@ def tuned_table(rows: list[dict], sms: int) -> dict:
     return table
 
 
-def write_tuned(path: str, device: str, table: dict, shapes: list[str] | None = None) -> None:
+def write_tuned(path: str, device: str, table: dict, shapes: list[str] | None = None,
+                rows: tuple[int, ...] | None = None) -> None:
     """Put one card's table into the tuned file (other cards' entries stay); with ``shapes`` ("KxN"), only
-    those shapes' entries are replaced (or dropped where the table has none): a sweep split over device calls
-    keeps what the others measured."""
+    those shapes' entries are replaced (or dropped where the table has none), and with ``rows`` only those row
+    counts of them: a sweep split over device calls keeps what the others measured."""
     tuned = json.loads(Path(path).read_text()) if Path(path).exists() else {}
     if shapes is None:
         tuned[device] = table
     else:
         card = tuned.setdefault(device, {})
         for shape in shapes:
-            if shape in table:
-                card[shape] = table[shape]
-            else:
-                card.pop(shape, None)
+            swept = table.get(shape, {})
+            kept = {} if rows is None else {m: tile for m, tile in card.get(shape, {}).items() if int(m) not in rows}
+            card[shape] = {**kept, **swept}
+            if not card[shape]:
+                del card[shape]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
 
@@ -633,6 +644,8 @@ def main() -> None:
     parser.add_argument("--sweep-mma", default=None, help="also time the 17-256-row kernel's tiles, written here")
     parser.add_argument("--mma-shapes", default="", help="--sweep-mma only on shapes whose names hold one of these "
                                                          "comma-separated parts (e.g. 8B)")
+    parser.add_argument("--mma-rows", default=",".join(map(str, MMA_SWEEP_ROWS)),
+                        help="--sweep-mma only at these comma-separated row counts (the table's other rows stay)")
     parser.add_argument("--tuned-out", default=None,
                         help="with --sweep-mma or --tuned-from: write the card's fastest tiles into this table "
                              "(kernels/triton/tuned/w4a16_mma.json)")
@@ -685,7 +698,7 @@ def main() -> None:
     if args.sweep:
         sweep(copy_bw, args.sweep)
     if args.sweep_mma:
-        sweep_mma(args.sweep_mma, args.tuned_out, args.mma_shapes)
+        sweep_mma(args.sweep_mma, args.tuned_out, args.mma_shapes, tuple(map(int, args.mma_rows.split(","))))
     for r in extra:
         print(f"  {r.name:<70} {r.value:>10.3f} {r.unit}")
     print(f"\n{'target':<72} {'value':>9} {'unit':<10} {'target':<8} pass")

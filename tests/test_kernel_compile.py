@@ -278,6 +278,14 @@ def test_mma_switches_for_the_sweep_compile_for_hopper(block_m, block_n, warps, 
         assert "setmaxnreg" in compile_source(_mma_kernel, args, warps, stages).asm["ptx"]
 
 
+@pytest.mark.parametrize(("block_m", "block_n", "warps", "stages", "splits"), [
+    (16, 64, 4, 6, 4), (32, 64, 4, 6, 1), (64, 64, 4, 6, 4), (32, 128, 8, 5, 4), (64, 128, 4, 4, 1)])
+def test_deep_pipelines_for_few_rows_compile_for_hopper(block_m, block_n, warps, stages, splits):
+    """bench/kernels.py's MMA_SWEEP_DEEP (4-6 stages at 16-64 rows) as the launcher makes them: without spills,
+    within one SM's shared memory, the weight a register operand."""
+    check_mma_compiles(torch.float16, block_m, block_n, warps, stages, splits)
+
+
 def mma_args(dtype, block_m, block_n, splits, x_tma=False, warp_specialize=False) -> dict:
     """The transposed kernel's arguments for a 64-row launch on a 4096 x 4096 weight (``compile_source``'s form)."""
     x_src = Descriptor(dtype, (block_m, 128)) if x_tma else dtype
@@ -294,6 +302,7 @@ def check_mma_compiles(dtype, block_m, block_n, warps, stages, splits, x_tma=Fal
     args = mma_args(dtype, block_m, block_n, splits, x_tma, warp_specialize)
     kernel = compile_for_hopper(_mma_kernel, args, num_warps=warps, num_stages=stages)
     assert kernel.spilled_bytes == 0, f"{kernel.registers} registers, {kernel.spilled_bytes} B spilled"
+    assert kernel.shared_bytes <= HOPPER_SHARED_BYTES, f"{kernel.shared_bytes} B of shared memory"
     assert kernel.register_operand_mmas > 0, "the weight went through shared memory"
 
 

@@ -163,6 +163,20 @@ def test_a_sweep_of_some_shapes_replaces_only_their_entries(tmp_path):
     assert json.loads(path.read_text()) == {H200: {"4096x4096": {"256": tile}, "11008x4096": {"64": tile}}}
 
 
+def test_a_sweep_of_some_rows_replaces_only_those_rows(tmp_path):
+    """``--mma-rows 16,32``: the swept rows' entries are replaced (or dropped where no tile beat the rule), the
+    shape's other rows and the other shapes stay."""
+    sys.path.insert(0, str(ROOT))
+    from bench.kernels import write_tuned
+
+    path = tmp_path / "tuned.json"
+    old, new = ({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": stages} for stages in (3, 5))
+    path.write_text(json.dumps({H200: {"4096x4096": {"16": old, "32": old, "128": old}, "4096x6144": {"16": old},
+                                       "11008x4096": {"32": old}}}))
+    write_tuned(str(path), H200, {"4096x4096": {"16": new}}, ["4096x4096", "4096x6144"], (16, 32))
+    assert json.loads(path.read_text()) == {H200: {"4096x4096": {"16": new, "128": old}, "11008x4096": {"32": old}}}
+
+
 @pytest.mark.parametrize("missing", ["--tuned-out", "--sms"])
 def test_making_a_table_without_its_card_is_refused(tmp_path, missing):
     args = {"--tuned-from": str(tmp_path / "sweep.json"), "--tuned-out": str(tmp_path / "t.json"),
