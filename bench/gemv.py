@@ -263,6 +263,10 @@ def time_x16(args, copy_bw: float) -> None:
                     if per_sm is None:
                         row[f"{dot} x copy BW"] = round(nbytes / (us * 1e-6) / 1e9 / copy_bw, 3)
                 row["grids"].append(grid)
+            uncapped = gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), one_wave=False)
+            for dot, extra in (("half2", {}), ("x16", {"x16": x16})):  # the rule before its one-wave cap
+                calls = [partial(w4a16_gemv, x, *w, group, plan=uncapped, **fused, **extra) for w in weights]
+                row[f"{dot} uncapped-rule us"] = round(bench_graph(calls) * 1e3, 2)
             plain = {"normed": fused["normed"], "norm_weight": fused["norm_weight"]} if spec.get("norm") else {}
             exact = x.float() if not spec.get("norm") else fused["normed"].float()
             want = exact @ dequantize_int4(*weights[0], group).float()

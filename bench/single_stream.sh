@@ -84,7 +84,7 @@ for step in "${steps[@]}"; do
     grids)
       say "the fused layer's int4 launches at other grids; this card's fastest into \$OUT/w4a16_gemv.json"
       cp kernels/triton/tuned/w4a16_gemv.json "$OUT_DIR/w4a16_gemv.json"  # the timed shapes' entries are replaced
-      timeout 300 $PY bench/gemv.py --x16 --only 7B,8B --x16-warps 8,12,16,20,24 \
+      timeout 300 $PY bench/gemv.py --x16 --only 7B,8B --x16-warps 8,10,12,14 \
         --out "$OUT_DIR/kernels_gemv_x16.json" --tuned-out "$OUT_DIR/w4a16_gemv.json" 2>&1 \
         | grep -E "tuned grids|Error" | tee -a "$LOG" ;;
     kernels)

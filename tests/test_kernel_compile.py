@@ -30,7 +30,7 @@ from hopper_compile import (
 from kernels.triton import decode_attention, prefill_attention, token_mask
 from kernels.triton.dense_gemv import _dense_gemv_kernel, dense_gemv_plan
 from kernels.triton.gemv_epilogue import RESIDUAL, ROPE, SILU, STORE
-from kernels.triton.w4a16_gemv import _gemv_kernel, gemv_plan, register_cap
+from kernels.triton.w4a16_gemv import _gemv_kernel, _k_steps, gemv_plan, register_cap
 from kernels.triton.w4a16_mma import _mma_kernel
 from kernels.triton.w4a16_planes import _planes_kernel
 
@@ -149,7 +149,12 @@ def test_x16_launches_compile_within_their_instruction_budget(name, k, n, epilog
     words = plan.block_k // 8 * plan.block_n // (32 * plan.num_warps)
     assert len(loop) / words <= 15, f"{name}: {len(loop)} instructions for {words} words a thread ({plan})"
     assert any("IDP.2A" in line for line in loop), f"{name}: no DP2A in the K loop"
-    assert resource_usage(compiled.asm["cubin"]).spilled_bytes <= CAPPED_SPILL_BYTES, name
+    usage = resource_usage(compiled.asm["cubin"])
+    assert usage.spilled_bytes <= CAPPED_SPILL_BYTES, name
+    # one wave: every program resident at once at the registers it compiled to (no tail of waiting programs)
+    splits = _k_steps(k, 128, plan)[1]
+    resident_warps = 65536 // (32 * usage.registers)
+    assert -(-n // plan.block_n) * splits * plan.num_warps <= resident_warps * 132, (name, usage.registers, plan)
 
 
 DENSE_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue, rotary sizes): as the fused layer launches them

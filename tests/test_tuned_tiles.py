@@ -208,6 +208,25 @@ def test_the_one_row_gemv_table_gives_valid_plans_of_its_grids():
     assert tuned.split < rule.split
 
 
+@pytest.mark.parametrize(("k", "n", "head_dim", "norm", "before"), [
+    (4096, 12288, 128, True, 32), (4096, 22016, None, True, 13), (4096, 28672, None, True, 10),
+    (4096, 6144, 128, True, 32), (4096, 4096, None, False, 32), (14336, 4096, None, False, 32)])
+def test_the_one_row_gemv_rule_keeps_its_programs_in_one_wave(k, n, head_dim, norm, before):
+    """The rule's grid at 132 SMs fits the warps the SMs hold at the register cap (16 each): the 7B qkv and the
+    gate/ups took 1.06-1.45 waves before (``one_wave=False``, the same splits as then), and a program that waits
+    for a second wave runs its whole K loop in the launch's tail. Launches already within one wave keep theirs."""
+    from kernels.triton.w4a16_gemv import RESIDENT_WARPS, _k_steps, gemv_plan
+
+    capped, uncapped = (gemv_plan(n, k, 128, 132, head_dim, norm, one_wave=wave) for wave in (True, False))
+    assert uncapped.split == before
+    tiles = n // capped.block_n
+    assert tiles * _k_steps(k, 128, capped)[1] * capped.num_warps <= RESIDENT_WARPS * 132
+    if tiles * before * uncapped.num_warps <= RESIDENT_WARPS * 132:
+        assert capped == uncapped
+    else:
+        assert capped.split < before
+
+
 def gemv_row(k: int, n: int, *grids: tuple) -> dict:
     """A ``bench/gemv.py --x16`` row: grids as (warps an SM or None for the rule's, K step, half2 us, x16 us)."""
     return {"k": k, "n": n, "grids": [

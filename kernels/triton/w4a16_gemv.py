@@ -610,6 +610,7 @@ SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.
 SMALL_MATRIX_WARPS = 8  # a small matrix's column tile: all of K in one program, the rows over 8 warps
 ONE_STEP_WORDS = 32  # packed words a thread may hold in a one-step plan: at 32, 97-192 registers, no spills
 LARGE_MATRIX_REGISTERS = 128  # uncapped, Triton 3.6 gives 168-174 (the epilogue's partial tiles): 12 warps an SM
+RESIDENT_WARPS = 65536 // (32 * LARGE_MATRIX_REGISTERS)  # warps an SM holds at the cap (64K registers): 16
 
 
 def gemv_large_matrix(k: int, n: int) -> bool:
@@ -619,7 +620,7 @@ def gemv_large_matrix(k: int, n: int) -> bool:
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
-              warps_per_sm: int = 24, block_k: int = 64) -> GemvPlan:
+              warps_per_sm: int = 24, block_k: int = 64, one_wave: bool = True) -> GemvPlan:
     """Column tile, K step and split-K, from the sweeps of ``bench/gemv.py --sweep`` on an H200.
 
     A large matrix takes one warp per 128 columns: Triton then gives each thread four adjacent columns of
@@ -627,8 +628,11 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     word; 32-column tiles, a column a thread, took 29 and a shared-memory pass for the scales), in K steps of 64
     rows, capped at ``LARGE_MATRIX_REGISTERS`` (the epilogue's partial tiles otherwise set the whole kernel's
     count: 8B gate/up 26.8 -> 24.0 us with the cap, down 14.3 -> 13.0). The split gives ~``warps_per_sm`` warps
-    an SM, at most ``MAX_SPLIT``; gate/up only as many as the cap lets an SM hold (8B gate/up 10 splits instead
-    of 13: 24.0 -> 22.6 us; qkv was slower with fewer, so it keeps the wider grid). With an
+    an SM, at most ``MAX_SPLIT``, and (``one_wave``) no more programs than the SMs hold at once
+    (``RESIDENT_WARPS``): the rule's 24 warps an SM put the 7B qkv's 3,072 one-warp programs on 2,112 slots, and
+    rounding up put gate/up's 2,236-2,240 there, so 124-960 programs waited for a second wave and the launch's
+    tail was their whole K loop at a few programs an SM (on the H200, 12 warps an SM took the 7B qkv from 14.3 to
+    11.7 us; ``one_wave=False``: the rule before, for A/Bs). With an
     RMSNorm prologue each program keeps at least two K steps (measured when every program reduced the row; now
     each split sums the squares of its own slice, and the rule is not re-measured). A small matrix is latency, not
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
@@ -649,7 +653,10 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     most = steps // 2 if norm else steps
     if norm and head_dim is None:  # gate/up: the grid sized to the 16 warps an SM that 128 registers allow
         warps_per_sm = min(warps_per_sm, 65536 // (32 * LARGE_MATRIX_REGISTERS))
-    split = max(1, min(most, cdiv(warps_per_sm * sms, cdiv(n, block_n) * warps), MAX_SPLIT))
+    tiles = cdiv(n, block_n)
+    split = max(1, min(most, cdiv(warps_per_sm * sms, tiles * warps), MAX_SPLIT))
+    if one_wave:
+        split = max(1, min(split, RESIDENT_WARPS * sms // (tiles * warps)))
     return GemvPlan(block_n, block_k, split, warps, max_registers=LARGE_MATRIX_REGISTERS)
 
 
