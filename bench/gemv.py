@@ -370,6 +370,10 @@ def bench_dense(args, copy_bw: float, sms: int) -> None:
                "cublas_us": round(cublas, 2), "x_cublas": round(cublas / ours, 3),
                "ours_x_copy_bw": round(nbytes / (ours * 1e-6) / 1e9 / copy_bw, 3),
                "cublas_x_copy_bw": round(nbytes / (cublas * 1e-6) / 1e9 / copy_bw, 3), "rel_error": error}
+        uncapped = dense_gemv_plan(n, k, sms, one_wave=False)
+        if uncapped != dense_gemv_plan(n, k, sms):  # the rule before its one-wave register cap
+            row["uncapped_rule_us"] = round(bench_graph([partial(dense_gemv, x, w, plan=uncapped)
+                                                         for w in weights]) * 1e3, 2)
         if args.sweep:
             timed = sorted((bench_graph([partial(dense_gemv, x, w, plan=plan) for w in weights]) * 1e3, str(plan))
                            for plan in dense_plan_variants(n, k, sms))

@@ -182,13 +182,16 @@ def test_dense_gemv_launches_compile_without_spills(name, k, n, epilogue, norm, 
     stays bound by memory. The tiles of rows along the warps took 142 a step for 32 weights (x through shared
     memory, two barriers); 144 with the warps along K, and no barrier (session 18)."""
     qk_norm = "qk-norm" in name
-    plan = dense_gemv_plan(n, k, 132, head_dim=rope["HEAD_DIM"] if qk_norm else None)
+    plan = dense_gemv_plan(n, k, 132, head_dim=rope["HEAD_DIM"] if qk_norm else None, norm=norm)
     args = dense_gemv_args(k, n, plan, epilogue=epilogue, norm=norm, qk_norm=qk_norm, bias="bias" in name,
                            rope_sizes=rope, prescaled=norm and "first-layer" not in name,
                            next_norm=epilogue == RESIDUAL)
-    compiled = compile_source(_dense_gemv_kernel, args, plan.num_warps)
+    compiled = compile_source(_dense_gemv_kernel, args, plan.num_warps, maxnreg=plan.max_registers)
     usage = resource_usage(compiled.asm["cubin"])
     assert usage.spilled_bytes == 0, f"{name} {plan}: {usage.registers} registers, {usage.spilled_bytes} B spilled"
+    if plan.max_registers:  # capped so that the grid is one wave: it is, at the registers it compiled to
+        resident = 65536 // (32 * usage.registers * plan.num_warps) * 132
+        assert -(-n // plan.block_n) * plan.split <= resident, f"{name} {plan}: {usage.registers} registers"
     loop = main_loop(disassemble(compiled.asm["cubin"]))
     weights = plan.block_n * plan.block_k // (32 * plan.num_warps)  # a thread's weights a K step
     assert len(loop) / weights <= 5, f"{name}: {len(loop)} instructions for {weights} weights a thread ({plan})"

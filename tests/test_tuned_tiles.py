@@ -227,6 +227,19 @@ def test_the_one_row_gemv_rule_keeps_its_programs_in_one_wave(k, n, head_dim, no
         assert capped.split < before
 
 
+def test_the_dense_gemv_rule_caps_registers_only_where_that_makes_one_wave():
+    """The fp16 GEMV's 7B / 8B o and down (1,024 four-warp programs; 924 resident at the 66 registers they take
+    uncapped on 132 SMs) are capped at 64 registers, where 1,056 fit; launches with an RMSNorm prologue (which
+    spill there), grids of many waves and small ones are not."""
+    from kernels.triton.dense_gemv import dense_gemv_plan
+
+    for n, k in ((4096, 4096), (4096, 11008), (4096, 14336)):
+        assert dense_gemv_plan(n, k, 132).max_registers == 64
+        assert dense_gemv_plan(n, k, 132, one_wave=False).max_registers is None
+    for n, k, norm in ((4096, 4096, True), (12288, 4096, False), (576, 1536, False), (22016, 4096, True)):
+        assert dense_gemv_plan(n, k, 132, norm=norm).max_registers is None
+
+
 def gemv_row(k: int, n: int, *grids: tuple) -> dict:
     """A ``bench/gemv.py --x16`` row: grids as (warps an SM or None for the rule's, K step, half2 us, x16 us)."""
     return {"k": k, "n": n, "grids": [

@@ -147,22 +147,32 @@ class DenseGemvPlan:
     block_k: int
     split: int
     num_warps: int
+    max_registers: int | None = None  # ptxas's cap (Triton's maxnreg); None: ptxas chooses
 
 
 ROWS_PER_THREAD = 4  # a tile's rows: every thread holds all of them, 8 weights of each a step (4 x 16 B in flight)
 WARPS = 4
 HEAD_TILE_WEIGHTS = 32  # weights a thread a step where a tile must hold whole heads (Qwen3's q/k norms)
+# uncapped, the four-warp tiles compile to 66-80 registers (sm_90): 6-7 programs an SM; at 64, 8 (the residual
+# launches do not spill there, the norm ones do)
+UNCAPPED_PROGRAMS_PER_SM = 6
+ONE_WAVE_REGISTERS = 64
+ONE_WAVE_PROGRAMS_PER_SM = 65536 // (32 * ONE_WAVE_REGISTERS * WARPS)  # 8
 
 
-def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps_per_sm: int = 24) -> DenseGemvPlan:
+def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps_per_sm: int = 24,
+                    norm: bool = False, one_wave: bool = True) -> DenseGemvPlan:
     """Column tile, K step and split-K. A tile is ``ROWS_PER_THREAD`` rows (a ROPE launch's: two rotary pairs),
     each thread holding 8 contiguous weights of every row and the warps side by side along K: a K step is
     8 x 32 x ``WARPS`` = 1,024 columns (capped at K's power of two), and x's slice of a step is one 16-byte load
     a thread in the layout the products need. Tiles of rows across the warps made Triton pass x through shared
     memory every step (two barriers a step, SASS, session 18). ``head_dim`` (a ROPE launch with Qwen3's q/k
     norms, which normalize whole heads): the tile is a head, 8 warps, ``HEAD_TILE_WEIGHTS`` weights a thread a
-    step. The split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT`` and one K step a split. Not yet
-    timed on a GPU against cuBLAS (BENCHMARKS.md, issue 15, session 18)."""
+    step. The split gives ~``warps_per_sm`` warps an SM, at most ``MAX_SPLIT`` and one K step a split. A grid
+    the SMs hold in one wave only at ``ONE_WAVE_REGISTERS`` gets that cap (``one_wave``; not with an RMSNorm
+    prologue, ``norm``, whose launches spill there): the 7B o and down are 1,024 programs, 924 resident at 66
+    registers on 132 SMs, and the 100 left over ran their whole K loop (11 steps on down) in the launch's tail at
+    one program an SM; at 64 registers 1,056 fit. Larger grids are many waves of short programs either way."""
     if head_dim is not None:
         block_n, warps = head_dim, 8
         block_k = HEAD_TILE_WEIGHTS * 32 * warps // head_dim
@@ -173,7 +183,10 @@ def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps
         return DenseGemvPlan(block_n, 32, max(1, min(2, cdiv(k, 32))), 1)
     block_k = min(block_k, next_pow2(k))
     split = max(1, min(cdiv(k, block_k), cdiv(warps_per_sm * sms, cdiv(n, block_n) * warps), MAX_SPLIT))
-    return DenseGemvPlan(block_n, block_k, split, warps)
+    programs = cdiv(n, block_n) * split
+    capped = one_wave and not norm and warps == WARPS and (UNCAPPED_PROGRAMS_PER_SM * sms < programs
+                                                           <= ONE_WAVE_PROGRAMS_PER_SM * sms)
+    return DenseGemvPlan(block_n, block_k, split, warps, ONE_WAVE_REGISTERS if capped else None)
 
 
 def dense_weight_unsupported(weight: torch.Tensor) -> str | None:
@@ -216,7 +229,8 @@ def dense_gemv(
                          f"reads ({dense_weight_unsupported(weight) or 'it does'})")
     x = x.contiguous()
     whole_heads = rope is not None and rope.get("q_norm") is not None  # else rope tiles are rotary pairs
-    plan = plan or dense_gemv_plan(n, k, num_sms(x.device), rope["head_dim"] if whole_heads else None)
+    plan = plan or dense_gemv_plan(n, k, num_sms(x.device), rope["head_dim"] if whole_heads else None,
+                                   norm=norm_weight is not None)
     k_per_split, splits = split_k(k, plan.block_k, plan.split)
     launch = epilogue_launch("dense_gemv", x, weight, n, plan.block_n, k_per_split, splits, norm_weight=norm_weight,
                              eps=eps, normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope,
@@ -224,5 +238,6 @@ def dense_gemv(
     _dense_gemv_kernel[(cdiv(n, plan.block_n), splits)](
         x, weight, *launch.args, weight.stride(0), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         num_warps=plan.num_warps, **launch.constexprs,
+        **({"maxnreg": plan.max_registers} if plan.max_registers else {}),
     )
     return launch.out
