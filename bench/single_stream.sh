@@ -22,6 +22,11 @@
 #   grids     bench/gemv.py --x16 on the 7B and 8B launches at 8-24 warps an SM and K steps of 64 and 128, both dots:
 #             the grids that beat the rule go to $OUT/w4a16_gemv.json (copy it over kernels/triton/tuned/, then
 #             rerun latency to see them in the step)
+#   ab        the tree against an earlier one in $BASE_TREE (default .devrun/base: `git archive <commit> | tar -x
+#             -C .devrun/base` here, carry .devrun): the x16 launches at the rule and the rule before its one-wave
+#             cap, the fp16 7B launches likewise, then batch-1 decode of the 7B / 8B AWQ and the fp16 7B in both
+#             trees, one after the other: $OUT/kernels_gemv_x16.json, kernels_gemv_dense.json, latency_base.json
+#             and latency.json
 #   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, the fp16 GEMV against cuBLAS (and its
 #             plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
 #             (bench/baseline_kernels.sh <commit>: GEMV and epilogue), the fused-layer launches A/B
@@ -87,6 +92,23 @@ for step in "${steps[@]}"; do
       timeout 300 $PY bench/gemv.py --x16 --only 7B,8B --x16-warps 8,10,12,14 \
         --out "$OUT_DIR/kernels_gemv_x16.json" --tuned-out "$OUT_DIR/w4a16_gemv.json" 2>&1 \
         | grep -E "tuned grids|Error" | tee -a "$LOG" ;;
+    ab)
+      base=${BASE_TREE:-.devrun/base}
+      [ -d "$base/bench" ] || { say "no earlier tree in $base"; continue; }
+      say "the x16 launches and the fp16 7B ones at the rule and at the rule before its one-wave cap"
+      timeout 150 $PY bench/gemv.py --x16 --only 7B,8B --x16-warps 12 --out "$OUT_DIR/kernels_gemv_x16.json" 2>&1 \
+        | grep -E "^\{|Error" | tee -a "$LOG"
+      timeout 80 $PY bench/gemv.py --dense --only "7B o,7B down,7B qkv" --out "$OUT_DIR/kernels_gemv_dense.json" \
+        2>&1 | grep -E "^\{|Error" | tee -a "$LOG"
+      out_abs=$(realpath "$OUT_DIR")
+      for tree in "$base" .; do
+        name=latency_base.json
+        [ "$tree" = . ] && name=latency.json
+        say "batch-1 decode in $tree"
+        (cd "$tree" && timeout 200 $PY bench/latency.py --models llama2-7b,llama3-8b,llama2-7b-fp16 \
+          --models-dir "$MODELS_DIR" --only decode --output-len 256 --repeats 3 --out "$out_abs/$name") 2>&1 \
+          | grep -E "decode|roofline|FAILED" | tee -a "$LOG"
+      done ;;
     kernels)
       say "int4 GEMV at M = 1 against GemLite and tinygemm"
       timeout 150 $PY bench/gemv.py --only "8B,SmolLM2" --out "$OUT_DIR/kernels_gemv.json" 2>&1 \
