@@ -652,7 +652,7 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     warps = block_n // 128
     most = steps // 2 if norm else steps
     if norm and head_dim is None:  # gate/up: the grid sized to the 16 warps an SM that 128 registers allow
-        warps_per_sm = min(warps_per_sm, 65536 // (32 * LARGE_MATRIX_REGISTERS))
+        warps_per_sm = min(warps_per_sm, RESIDENT_WARPS)
     tiles = cdiv(n, block_n)
     split = max(1, min(most, cdiv(warps_per_sm * sms, tiles * warps), MAX_SPLIT))
     if one_wave:
