@@ -366,12 +366,13 @@ def bench_dense(args, copy_bw: float, sms: int) -> None:
         cublas = bench_graph([partial(torch.nn.functional.linear, x, w) for w in weights]) * 1e3
         error = ((dense_gemv(x, weights[0]).float() - x.float() @ weights[0].float().t()).norm()
                  / (x.float() @ weights[0].float().t()).norm()).item()
-        row = {"shape": label, "plan": str(dense_gemv_plan(n, k, sms)), "ours_us": round(ours, 2),
+        rule = dense_gemv_plan(n, k, sms)
+        row = {"shape": label, "plan": str(rule), "ours_us": round(ours, 2),
                "cublas_us": round(cublas, 2), "x_cublas": round(cublas / ours, 3),
                "ours_x_copy_bw": round(nbytes / (ours * 1e-6) / 1e9 / copy_bw, 3),
                "cublas_x_copy_bw": round(nbytes / (cublas * 1e-6) / 1e9 / copy_bw, 3), "rel_error": error}
         uncapped = dense_gemv_plan(n, k, sms, one_wave=False)
-        if uncapped != dense_gemv_plan(n, k, sms):  # the rule before its one-wave register cap
+        if uncapped != rule:  # the rule before its one-wave register cap
             row["uncapped_rule_us"] = round(bench_graph([partial(dense_gemv, x, w, plan=uncapped)
                                                          for w in weights]) * 1e3, 2)
         if args.sweep:

@@ -28,6 +28,7 @@ from hopper_compile import (
 )
 
 from kernels.triton import decode_attention, prefill_attention, token_mask
+from kernels.triton.common import cdiv, warps_an_sm_holds
 from kernels.triton.dense_gemv import _dense_gemv_kernel, dense_gemv_plan
 from kernels.triton.gemv_epilogue import RESIDUAL, ROPE, SILU, STORE
 from kernels.triton.w4a16_gemv import _gemv_kernel, _k_steps, gemv_plan, register_cap
@@ -153,8 +154,8 @@ def test_x16_launches_compile_within_their_instruction_budget(name, k, n, epilog
     assert usage.spilled_bytes <= CAPPED_SPILL_BYTES, name
     # one wave: every program resident at once at the registers it compiled to (no tail of waiting programs)
     splits = _k_steps(k, 128, plan)[1]
-    resident_warps = 65536 // (32 * usage.registers)
-    assert -(-n // plan.block_n) * splits * plan.num_warps <= resident_warps * 132, (name, usage.registers, plan)
+    resident_warps = warps_an_sm_holds(usage.registers) * 132
+    assert cdiv(n, plan.block_n) * splits * plan.num_warps <= resident_warps, (name, usage.registers, plan)
 
 
 DENSE_LAUNCHES = [  # (name, K, N, epilogue, RMSNorm prologue, rotary sizes): as the fused layer launches them
@@ -190,8 +191,8 @@ def test_dense_gemv_launches_compile_without_spills(name, k, n, epilogue, norm, 
     usage = resource_usage(compiled.asm["cubin"])
     assert usage.spilled_bytes == 0, f"{name} {plan}: {usage.registers} registers, {usage.spilled_bytes} B spilled"
     if plan.max_registers:  # capped so that the grid is one wave: it is, at the registers it compiled to
-        resident = 65536 // (32 * usage.registers * plan.num_warps) * 132
-        assert -(-n // plan.block_n) * plan.split <= resident, f"{name} {plan}: {usage.registers} registers"
+        resident = warps_an_sm_holds(usage.registers) // plan.num_warps * 132
+        assert cdiv(n, plan.block_n) * plan.split <= resident, f"{name} {plan}: {usage.registers} registers"
     loop = main_loop(disassemble(compiled.asm["cubin"]))
     weights = plan.block_n * plan.block_k // (32 * plan.num_warps)  # a thread's weights a K step
     assert len(loop) / weights <= 5, f"{name}: {len(loop)} instructions for {weights} weights a thread ({plan})"

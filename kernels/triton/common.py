@@ -70,6 +70,20 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+SM_REGISTERS = 65536  # 32-bit registers in one SM's register file (sm_80 to sm_90)
+
+
+def warps_an_sm_holds(registers: int) -> int:
+    """Warps of ``registers`` registers a thread that an SM's register file holds at once: how many programs a
+    launch keeps resident, which decides whether its grid is one wave."""
+    return SM_REGISTERS // (32 * registers)
+
+
+def maxnreg_option(cap: int | None) -> dict:
+    """The launch option that caps ptxas's registers a thread at ``cap`` (Triton's maxnreg); none for None."""
+    return {"maxnreg": cap} if cap else {}
+
+
 def largest_pow2_divisor(n: int, largest: int) -> int:
     """The largest power of two <= ``largest`` (a power of two) that divides ``n``."""
     step = largest

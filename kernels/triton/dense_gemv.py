@@ -32,7 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import cdiv, gdc_launch_dependents, gdc_wait, interpreting, next_pow2, num_sms
+from kernels.triton.common import (
+    cdiv,
+    gdc_launch_dependents,
+    gdc_wait,
+    interpreting,
+    maxnreg_option,
+    next_pow2,
+    num_sms,
+    warps_an_sm_holds,
+)
 from kernels.triton.gemv_epilogue import (
     MAX_SPLIT,
     ROPE,
@@ -157,7 +166,7 @@ HEAD_TILE_WEIGHTS = 32  # weights a thread a step where a tile must hold whole h
 # launches do not spill there, the norm ones do)
 UNCAPPED_PROGRAMS_PER_SM = 6
 ONE_WAVE_REGISTERS = 64
-ONE_WAVE_PROGRAMS_PER_SM = 65536 // (32 * ONE_WAVE_REGISTERS * WARPS)  # 8
+ONE_WAVE_PROGRAMS_PER_SM = warps_an_sm_holds(ONE_WAVE_REGISTERS) // WARPS  # 8
 
 
 def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps_per_sm: int = 24,
@@ -238,6 +247,6 @@ def dense_gemv(
     _dense_gemv_kernel[(cdiv(n, plan.block_n), splits)](
         x, weight, *launch.args, weight.stride(0), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         num_warps=plan.num_warps, **launch.constexprs,
-        **({"maxnreg": plan.max_registers} if plan.max_registers else {}),
+        **maxnreg_option(plan.max_registers),
     )
     return launch.out

@@ -42,8 +42,10 @@ from kernels.triton.common import (
     gdc_wait,
     interpreting,
     largest_pow2_divisor,
+    maxnreg_option,
     next_pow2,
     num_sms,
+    warps_an_sm_holds,
 )
 from kernels.triton.gemv_epilogue import (
     MAX_SPLIT,
@@ -610,7 +612,7 @@ SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.
 SMALL_MATRIX_WARPS = 8  # a small matrix's column tile: all of K in one program, the rows over 8 warps
 ONE_STEP_WORDS = 32  # packed words a thread may hold in a one-step plan: at 32, 97-192 registers, no spills
 LARGE_MATRIX_REGISTERS = 128  # uncapped, Triton 3.6 gives 168-174 (the epilogue's partial tiles): 12 warps an SM
-RESIDENT_WARPS = 65536 // (32 * LARGE_MATRIX_REGISTERS)  # warps an SM holds at the cap (64K registers): 16
+RESIDENT_WARPS = warps_an_sm_holds(LARGE_MATRIX_REGISTERS)  # warps an SM holds at the cap: 16
 
 
 def gemv_large_matrix(k: int, n: int) -> bool:
@@ -708,11 +710,6 @@ def register_cap(plan: GemvPlan, act_order: bool) -> int | None:
     return None if act_order else plan.max_registers
 
 
-def _register_cap(plan: GemvPlan, act_order: bool) -> dict:
-    cap = register_cap(plan, act_order)
-    return {"maxnreg": cap} if cap else {}
-
-
 def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
     """fp16 activations (the half2 dot), one row, K whole 64-row blocks of the packed layout (a word's nibbles
     span its block) and groups of whole 32-row halves of blocks (a half2 of nibbles j and j + 4 is one row of
@@ -777,7 +774,7 @@ def w4a16_gemv(
         x, qweight, scales, zeros, perm if perm is not None else qweight, x16 if x16 is not None else qweight,
         *launch.args, GROUP=group_size, X16=x16 is not None,
         HAS_PERM=perm is not None, USE_ASM=not interpreting(), BLOCK_N=plan.block_n, BLOCK_K=block_k,
-        ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs, **_register_cap(plan, perm is not None),
+        ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs, **maxnreg_option(register_cap(plan, perm is not None)),
     )
     return launch.out
 
