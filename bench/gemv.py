@@ -264,9 +264,11 @@ def time_x16(args, copy_bw: float) -> None:
                         row[f"{dot} x copy BW"] = round(nbytes / (us * 1e-6) / 1e9 / copy_bw, 3)
                 row["grids"].append(grid)
             uncapped = gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), one_wave=False)
-            for dot, extra in (("half2", {}), ("x16", {"x16": x16})):  # the rule before its one-wave cap
+            grid = {"warps_per_sm": None, "block_k": 64, "one_wave": False}  # the rule before its one-wave cap
+            for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
                 calls = [partial(w4a16_gemv, x, *w, group, plan=uncapped, **fused, **extra) for w in weights]
-                row[f"{dot} uncapped-rule us"] = round(bench_graph(calls) * 1e3, 2)
+                row[f"{dot} uncapped-rule us"] = grid[f"{dot}_us"] = round(bench_graph(calls) * 1e3, 2)
+            row["grids"].append(grid)
             plain = {"normed": fused["normed"], "norm_weight": fused["norm_weight"]} if spec.get("norm") else {}
             exact = x.float() if not spec.get("norm") else fused["normed"].float()
             want = exact @ dequantize_int4(*weights[0], group).float()
@@ -294,14 +296,16 @@ def time_x16(args, copy_bw: float) -> None:
 
 def gemv_tuned_table(rows: list[dict]) -> dict:
     """kernels/triton/tuned/w4a16_gemv.json's table for one card from ``--x16`` rows: per "KxN", the grid
-    (warps an SM, K step) with the least x16 time summed over the launches of that shape (the 7B and 8B o share
-    one), where that beat the rule's grid by more than TUNED_MARGIN and kept the half2 dot within the same margin
-    of the rule's: one entry serves both dots (a model whose rows cannot be x16 keeps the half2 dot; session 19
-    chose its H200 entries so by hand). ``launch_plan`` reads it at one row."""
+    (warps an SM, K step, and whether the split is capped at one wave) with the least x16 time summed over the
+    launches of that shape (the 7B and 8B o share one), where that beat the rule's grid by more than TUNED_MARGIN
+    and kept the half2 dot within the same margin of the rule's: one entry serves both dots (a model whose rows
+    cannot be x16 keeps the half2 dot; session 19 chose its H200 entries so by hand). An entry holds
+    ``gemv_plan``'s arguments (the rule's where it omits one); ``launch_plan`` reads it at one row."""
+    rule_key = (None, 64, True)
     by_shape: dict[str, dict[tuple, dict]] = {}
     for row in rows:
         for grid in row["grids"]:
-            key = (grid["warps_per_sm"], grid["block_k"])
+            key = (grid["warps_per_sm"], grid["block_k"], grid.get("one_wave", True))
             shape = by_shape.setdefault(f"{row['k']}x{row['n']}", {})
             total = shape.setdefault(key, {"half2": 0.0, "x16": 0.0, "launches": 0})
             total["half2"] += grid["half2_us"]
@@ -309,17 +313,22 @@ def gemv_tuned_table(rows: list[dict]) -> dict:
             total["launches"] += 1
     table = {}
     for shape, grids in by_shape.items():
-        rule = grids.get((None, 64))
+        rule = grids.get(rule_key)
         if rule is None:
             continue
         whole = [(key, t) for key, t in grids.items()  # grids timed for every launch of the shape
-                 if key[0] is not None and t["launches"] == rule["launches"]
+                 if key != rule_key and t["launches"] == rule["launches"]
                  and t["half2"] <= rule["half2"] / TUNED_MARGIN]
         if not whole:
             continue
-        (warps_per_sm, block_k), best = min(whole, key=lambda item: item[1]["x16"])
+        (warps_per_sm, block_k, one_wave), best = min(whole, key=lambda item: item[1]["x16"])
         if best["x16"] < TUNED_MARGIN * rule["x16"]:
-            table[shape] = {"1": {"block_k": block_k, "warps_per_sm": warps_per_sm}}
+            entry = {"block_k": block_k}
+            if warps_per_sm is not None:
+                entry["warps_per_sm"] = warps_per_sm
+            if not one_wave:
+                entry["one_wave"] = False
+            table[shape] = {"1": entry}
     return table
 
 

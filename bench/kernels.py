@@ -543,19 +543,19 @@ def sweep_mma(path: str, tuned_out: str | None = None, only: str = "",
                 calls = [partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="planes") for p in packed]
                 planes["planes_us"] = bench_graph(calls) * 1e3
             expected = reference.w4a16_matmul(x.float(), *packed[0], GROUP)  # [m, n] float32
-            rows = []
+            timings = []  # (not ``rows``: that is the row counts this loop runs over)
             for cfg in mma_sweep_configs(m, n, k, sms):
                 try:
                     got = w4a16_mod.w4a16_matmul(x, *packed[0], GROUP, path="mma", config=cfg).float()
                     error = ((got - expected).norm() / expected.norm()).item()  # NaN stays NaN
                     ms = bench_graph(
                         [partial(w4a16_mod.w4a16_matmul, x, *p, GROUP, path="mma", config=cfg) for p in packed])
-                    rows.append({"shape": label, "m": m, "config": cfg, "us": ms * 1e3, "vs_fp16": t_h / ms,
-                                 "fp16_us": t_h * 1e3, "shipped_us": t_s * 1e3, "rel_error": error, **planes})
+                    timings.append({"shape": label, "m": m, "config": cfg, "us": ms * 1e3, "vs_fp16": t_h / ms,
+                                    "fp16_us": t_h * 1e3, "shipped_us": t_s * 1e3, "rel_error": error, **planes})
                 except Exception as exc:  # noqa: BLE001 (a variant that fails to compile is skipped)
-                    rows.append({"shape": label, "m": m, "config": cfg, "error": repr(exc)[:300]})
-            found["w4a16_mma"] += rows
-            timed = [r for r in rows if "us" in r and r["rel_error"] < 2e-3]
+                    timings.append({"shape": label, "m": m, "config": cfg, "error": repr(exc)[:300]})
+            found["w4a16_mma"] += timings
+            timed = [r for r in timings if "us" in r and r["rel_error"] < 2e-3]
             if timed:
                 best = min(timed, key=lambda r: r["us"])
                 print(f"sweep-mma {label} M={m}: best {best['us']:.1f} us ({best['vs_fp16']:.2f}x fp16 "

@@ -263,3 +263,24 @@ def test_the_gemv_grid_table_serves_both_dots_and_every_launch_of_a_shape():
     assert gemv_tuned_table(rows) == {"4096x4096": {"1": {"block_k": 64, "warps_per_sm": 12}}}
     faster = gemv_row(4096, 12288, (None, 64, 10.0, 10.0), (12, 128, 9.0, 9.0))
     assert gemv_tuned_table([faster])["4096x12288"] == {"1": {"block_k": 128, "warps_per_sm": 12}}
+
+
+def test_the_gemv_grid_table_can_lift_the_one_wave_cap():
+    """The rule before its one-wave cap is a grid like the others (``bench/gemv.py --x16`` times it on every
+    launch): where it is the fastest, the entry says so (``one_wave: false``, the rule's warps an SM), and
+    ``gemv_plan`` given that entry plans the uncapped split (on an H100 the 8B qkv and gate/up, session 26)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gemv import gemv_tuned_table
+    from kernels.triton.w4a16_gemv import gemv_plan
+
+    row = gemv_row(4096, 28672, (None, 64, 23.0, 23.0), (12, 64, 23.5, 23.4))
+    row["grids"].append({"warps_per_sm": None, "block_k": 64, "one_wave": False, "half2_us": 22.4, "x16_us": 22.0})
+    entry = gemv_tuned_table([row])["4096x28672"]["1"]
+    assert entry == {"block_k": 64, "one_wave": False}
+    assert gemv_plan(28672, 4096, 128, 132, norm=True, **entry) == gemv_plan(28672, 4096, 128, 132, norm=True,
+                                                                            one_wave=False)
+    assert gemv_plan(28672, 4096, 128, 132, norm=True, **entry).split == 10  # 9 under the cap
+    slower = gemv_row(4096, 28672, (None, 64, 23.0, 23.0))
+    slower["grids"].append({"warps_per_sm": None, "block_k": 64, "one_wave": False, "half2_us": 23.0,
+                            "x16_us": 22.8})  # 1%: noise
+    assert gemv_tuned_table([slower]) == {}

@@ -667,13 +667,13 @@ def launch_plan(device: torch.device, n: int, k: int, group_size: int, head_dim:
     """The plan a launch takes: ``gemv_plan``'s rule with the grid (warps an SM, K step) measured fastest for this
     weight shape on this card, where ``tuned/w4a16_gemv.json`` has one (``bench/gemv.py --x16`` times grids of
     both dots; an entry is a grid that served both: BENCHMARKS.md issue 15, session 19). On the H200 the
-    7B qkv launch took 14.3 us at the rule's 24 warps an SM and 11.7 at 12."""
+    7B qkv launch took 14.3 us at the rule's 24 warps an SM and 11.7 at 12. An entry may also lift the one-wave
+    cap (``one_wave: false``): on an H100 the 8B qkv and gate/up were 0.2-0.5 us faster without it (session 26)."""
     sms = num_sms(device)
     tuned = None if interpreting() else tuned_tile("w4a16_gemv", device_name(device), k, n, 1)
     if tuned is None:
         return gemv_plan(n, k, group_size, sms, head_dim, norm)
-    return gemv_plan(n, k, group_size, sms, head_dim, norm, warps_per_sm=tuned["warps_per_sm"],
-                     block_k=tuned["block_k"])
+    return gemv_plan(n, k, group_size, sms, head_dim, norm, **tuned)  # warps_per_sm, block_k, one_wave
 
 
 def _one_step_split(k: int, split: int) -> tuple[int, int, int]:
