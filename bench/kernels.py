@@ -235,12 +235,17 @@ def bench_decode(copy_bw: float, out: list, extra: list, config: dict | None = N
 SINGLE_STREAM_CONTEXTS = (128, 256, 512, 1024, 2048)  # batch-1 decode's contexts in bench/latency.py and chats
 
 
+SINGLE_STREAM_TILES = [{"BLOCK_N": 32}, {"BLOCK_N": 32, "num_stages": 2}, {"num_stages": 2}]
+
+
 def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
     """Batch-1 decode attention at the short contexts of single-stream decoding, on a block table as wide as
     the engine's graphs capture (``max_ctx``), over split counts: the default (``choose_splits``) against fixed
     ones, so the in-kernel partitioning is timed where it matters for issue 15 (a layer's attention is one of
-    its five launches), and the default with its first tile of keys loaded after waiting on the previous kernel
-    (as before session 20) rather than before. Informational rows only."""
+    its five launches), the default with its first tile of keys loaded after waiting on the previous kernel
+    (as before session 20) rather than before, and the default split with shorter tiles or fewer stages
+    (``SINGLE_STREAM_TILES``: at 64-512 keys a 64-key tile leaves 1-8 partitions a head, each of 32 KB, and the
+    7B step's 32 attention launches took 7.9 us each, eager, H100 session 26). Informational rows only."""
     block_size = 16
     for kv_heads in (32, 8):
         k_cache = torch.randn(max_ctx // block_size, block_size, kv_heads, 128, dtype=DTYPE, device=DEV)
@@ -250,13 +255,16 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
         for ctx in SINGLE_STREAM_CONTEXTS:
             lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
             times = {}
-            no_prefetch = {**decode_mod._config(block_size), "PREFETCH": False}
-            for splits, config in ((None, None), (None, no_prefetch), (1, None), (2, None), (4, None), (8, None),
-                                   (16, None)):
+            default = decode_mod._config(block_size)
+            cases = {"default": (None, None), "default, first tile after the wait": (None, {"PREFETCH": False}),
+                     **{f"{n} splits": (n, None) for n in (1, 2, 4, 8, 16)},
+                     **{"default, " + ",".join(f"{k}={v}" for k, v in tile.items()): (None, tile)
+                        for tile in SINGLE_STREAM_TILES}}
+            for name, (splits, variant) in cases.items():
+                config = {**default, **variant} if variant else None
                 ms = bench_graph([partial(decode_mod.decode_attention, q, k_cache, v_cache, table, lens, 128**-0.5,
                                           num_splits=splits, config=config)])
-                name = "default" if splits is None else f"{splits} splits"
-                times[name + (", first tile after the wait" if config else "")] = round(ms * 1e3, 2)
+                times[name] = round(ms * 1e3, 2)
             best = min(times, key=times.get)
             extra.append(info(f"paged decode batch 1 x ctx {ctx}, 32/{kv_heads} heads: default "
                               f"({times['default']} us), best {best}", times[best], "us"))
