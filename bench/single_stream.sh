@@ -27,10 +27,10 @@
 #             cap, the fp16 7B launches likewise, then batch-1 decode of the 7B / 8B AWQ and the fp16 7B in both
 #             trees, one after the other: $OUT/kernels_gemv_x16.json, kernels_gemv_dense.json, latency_base.json
 #             and latency.json
-#   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, the fp16 GEMV against cuBLAS (and its
-#             plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
+#   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, bench/kernels.py --only decode1 (batch-1
+#             decode attention's splits, tiles and stages), the fp16 GEMV against cuBLAS (and its plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
 #             (bench/baseline_kernels.sh <commit>: GEMV and epilogue), the fused-layer launches A/B
-# $LATENCY_FLAGS: extra latency flags. Writes llamacpp.txt, latency.json, kernels_gemv*.json and single_stream.log
+# $LATENCY_FLAGS: extra latency flags. Writes llamacpp.txt, latency.json, kernels_*.json and single_stream.log
 # into $OUT (or bench/results).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -113,6 +113,9 @@ for step in "${steps[@]}"; do
       say "int4 GEMV at M = 1 against GemLite and tinygemm"
       timeout 150 $PY bench/gemv.py --only "8B,SmolLM2" --out "$OUT_DIR/kernels_gemv.json" 2>&1 \
         | grep -E "^w4a16|card" | tee -a "$LOG"
+      say "batch-1 decode attention at 128-2,048 keys: split counts, tile lengths and stages"
+      timeout 120 $PY bench/kernels.py --only decode1 --out "$OUT_DIR/kernels_decode1.json" 2>&1 \
+        | grep -E "^\{|Error" | tee -a "$LOG"
       say "fp16 GEMV at M = 1 against cuBLAS, with its plans"
       timeout 150 $PY bench/gemv.py --dense --sweep --out "$OUT_DIR/kernels_gemv_dense.json" 2>&1 | tail -n 12 \
         | tee -a "$LOG"
