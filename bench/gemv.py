@@ -246,29 +246,24 @@ def time_x16(args, copy_bw: float) -> None:
             x16 = quantize_x16(fused.get("normed", x))
             nbytes = weight_bytes(k, n, group)
             row = {"layer": name, "launch": launch, "shape": f"{k}x{n} g{group}", "k": k, "n": n, "grids": []}
-            grids = [(None, 64)] + [(per_sm, block_k) for per_sm in args.x16_warps for block_k in (64, 128)
-                                    if group >= 64 or block_k == 64]
-            for per_sm, block_k in grids:
-                plan = (gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False)) if per_sm is None else
-                        gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), warps_per_sm=per_sm,
-                                  block_k=block_k))
-                if plan.one_step and per_sm is not None:
+            # grids as gemv_plan's arguments (a tuned entry's keys): the rule, other warps an SM and K steps, and
+            # the rule before its one-wave cap
+            grids = [{}] + [{"warps_per_sm": per_sm, "block_k": block_k} for per_sm in args.x16_warps
+                            for block_k in (64, 128) if group >= 64 or block_k == 64] + [{"one_wave": False}]
+            for args_of_grid in grids:
+                plan = gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), **args_of_grid)
+                if plan.one_step and "warps_per_sm" in args_of_grid:  # a one-step plan has no grid to choose
                     continue
-                tag = "default" if per_sm is None else f"{per_sm} warps/SM k{block_k}"
-                grid = {"warps_per_sm": per_sm, "block_k": block_k}
+                tag = ("default" if not args_of_grid else "uncapped-rule" if "one_wave" in args_of_grid else
+                       f"{args_of_grid['warps_per_sm']} warps/SM k{args_of_grid['block_k']}")
+                grid = {"warps_per_sm": None, "block_k": 64, **args_of_grid}
                 for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
                     calls = [partial(w4a16_gemv, x, *w, group, plan=plan, **fused, **extra) for w in weights]
                     us = bench_graph(calls) * 1e3
                     row[f"{dot} {tag} us"] = grid[f"{dot}_us"] = round(us, 2)
-                    if per_sm is None:
+                    if not args_of_grid:
                         row[f"{dot} x copy BW"] = round(nbytes / (us * 1e-6) / 1e9 / copy_bw, 3)
                 row["grids"].append(grid)
-            uncapped = gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), one_wave=False)
-            grid = {"warps_per_sm": None, "block_k": 64, "one_wave": False}  # the rule before its one-wave cap
-            for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
-                calls = [partial(w4a16_gemv, x, *w, group, plan=uncapped, **fused, **extra) for w in weights]
-                row[f"{dot} uncapped-rule us"] = grid[f"{dot}_us"] = round(bench_graph(calls) * 1e3, 2)
-            row["grids"].append(grid)
             plain = {"normed": fused["normed"], "norm_weight": fused["norm_weight"]} if spec.get("norm") else {}
             exact = x.float() if not spec.get("norm") else fused["normed"].float()
             want = exact @ dequantize_int4(*weights[0], group).float()

@@ -247,6 +247,11 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
     (``SINGLE_STREAM_TILES``: at 64-512 keys a 64-key tile leaves 1-8 partitions a head, each of 32 KB, and the
     7B step's 32 attention launches took 7.9 us each, eager, H100 session 26). Informational rows only."""
     block_size = 16
+    default = decode_mod._config(block_size)
+    cases = {"default": (None, None), "default, first tile after the wait": (None, {"PREFETCH": False}),
+             **{f"{n} splits": (n, None) for n in (1, 2, 4, 8, 16)},
+             **{"default, " + ",".join(f"{k}={v}" for k, v in tile.items()): (None, tile)
+                for tile in SINGLE_STREAM_TILES}}
     for kv_heads in (32, 8):
         k_cache = torch.randn(max_ctx // block_size, block_size, kv_heads, 128, dtype=DTYPE, device=DEV)
         v_cache = torch.randn_like(k_cache)
@@ -255,11 +260,6 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
         for ctx in SINGLE_STREAM_CONTEXTS:
             lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
             times = {}
-            default = decode_mod._config(block_size)
-            cases = {"default": (None, None), "default, first tile after the wait": (None, {"PREFETCH": False}),
-                     **{f"{n} splits": (n, None) for n in (1, 2, 4, 8, 16)},
-                     **{"default, " + ",".join(f"{k}={v}" for k, v in tile.items()): (None, tile)
-                        for tile in SINGLE_STREAM_TILES}}
             for name, (splits, variant) in cases.items():
                 config = {**default, **variant} if variant else None
                 ms = bench_graph([partial(decode_mod.decode_attention, q, k_cache, v_cache, table, lens, 128**-0.5,

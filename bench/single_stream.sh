@@ -28,7 +28,8 @@
 #             trees, one after the other: $OUT/kernels_gemv_x16.json, kernels_gemv_dense.json, latency_base.json
 #             and latency.json
 #   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, bench/kernels.py --only decode1 (batch-1
-#             decode attention's splits, tiles and stages), the fp16 GEMV against cuBLAS (and its plans); with $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
+#             decode attention's splits, tiles and stages), the fp16 GEMV against cuBLAS (and its plans); with
+#             $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
 #             (bench/baseline_kernels.sh <commit>: GEMV and epilogue), the fused-layer launches A/B
 # $LATENCY_FLAGS: extra latency flags. Writes llamacpp.txt, latency.json, kernels_*.json and single_stream.log
 # into $OUT (or bench/results).

@@ -268,7 +268,7 @@ def test_the_gemv_grid_table_serves_both_dots_and_every_launch_of_a_shape():
 def test_the_gemv_grid_table_can_lift_the_one_wave_cap():
     """The rule before its one-wave cap is a grid like the others (``bench/gemv.py --x16`` times it on every
     launch): where it is the fastest, the entry says so (``one_wave: false``, the rule's warps an SM), and
-    ``gemv_plan`` given that entry plans the uncapped split (on an H100 the 8B qkv and gate/up, session 26)."""
+    ``gemv_plan`` given that entry plans the uncapped split (the 8B gate/up's 10 splits, 9 under the cap)."""
     sys.path.insert(0, str(ROOT))
     from bench.gemv import gemv_tuned_table
     from kernels.triton.w4a16_gemv import gemv_plan

@@ -668,7 +668,7 @@ def launch_plan(device: torch.device, n: int, k: int, group_size: int, head_dim:
     weight shape on this card, where ``tuned/w4a16_gemv.json`` has one (``bench/gemv.py --x16`` times grids of
     both dots; an entry is a grid that served both: BENCHMARKS.md issue 15, session 19). On the H200 the
     7B qkv launch took 14.3 us at the rule's 24 warps an SM and 11.7 at 12. An entry may also lift the one-wave
-    cap (``one_wave: false``): on an H100 the 8B qkv and gate/up were 0.2-0.5 us faster without it (session 26)."""
+    cap (``one_wave: false``, a candidate of the same sweep; no card's table has one: session 26)."""
     sms = num_sms(device)
     tuned = None if interpreting() else tuned_tile("w4a16_gemv", device_name(device), k, n, 1)
     if tuned is None:
@@ -774,7 +774,8 @@ def w4a16_gemv(
         x, qweight, scales, zeros, perm if perm is not None else qweight, x16 if x16 is not None else qweight,
         *launch.args, GROUP=group_size, X16=x16 is not None,
         HAS_PERM=perm is not None, USE_ASM=not interpreting(), BLOCK_N=plan.block_n, BLOCK_K=block_k,
-        ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs, **maxnreg_option(register_cap(plan, perm is not None)),
+        ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs,
+        **maxnreg_option(register_cap(plan, perm is not None)),
     )
     return launch.out
 
