@@ -235,7 +235,14 @@ def bench_decode(copy_bw: float, out: list, extra: list, config: dict | None = N
 SINGLE_STREAM_CONTEXTS = (128, 256, 512, 1024, 2048)  # batch-1 decode's contexts in bench/latency.py and chats
 
 
-SINGLE_STREAM_TILES = [{"BLOCK_N": 32}, {"BLOCK_N": 32, "num_stages": 2}, {"num_stages": 2}]
+# the default split with shorter tiles or fewer stages, and with longer tiles over more warps: a 128- or 256-key
+# tile is one round trip where a 64-key partition walk is two to four (at 256 keys, one live partition a head and
+# no combine step); 4 stages of 128-key K and V tiles would not fit in an SM's shared memory
+SINGLE_STREAM_TILES = [{"BLOCK_N": 32}, {"BLOCK_N": 32, "num_stages": 2}, {"num_stages": 2},
+                       {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+                       {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1},
+                       {"BLOCK_N": 256, "num_warps": 8, "num_stages": 1, "PREFETCH": False},
+                       {"BLOCK_N": 256, "num_warps": 16, "num_stages": 1}]
 
 
 def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
@@ -262,8 +269,12 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
             times = {}
             for name, (splits, variant) in cases.items():
                 config = {**default, **variant} if variant else None
-                ms = bench_graph([partial(decode_mod.decode_attention, q, k_cache, v_cache, table, lens, 128**-0.5,
-                                          num_splits=splits, config=config)])
+                try:
+                    ms = bench_graph([partial(decode_mod.decode_attention, q, k_cache, v_cache, table, lens,
+                                              128**-0.5, num_splits=splits, config=config)])
+                except Exception as exc:  # noqa: BLE001 (a variant that does not fit is reported, not fatal)
+                    print(f"decode1 ctx {ctx} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
                 times[name] = round(ms * 1e3, 2)
             best = min(times, key=times.get)
             extra.append(info(f"paged decode batch 1 x ctx {ctx}, 32/{kv_heads} heads: default "
