@@ -238,6 +238,7 @@ SINGLE_STREAM_CONTEXTS = (128, 256, 512, 1024, 2048)  # batch-1 decode's context
 # the default split with shorter tiles or fewer stages, and with longer tiles over more warps: a 128- or 256-key
 # tile is one round trip where a 64-key partition walk is two to four (at 256 keys, one live partition a head and
 # no combine step); 4 stages of 128-key K and V tiles would not fit in an SM's shared memory
+SINGLE_STREAM_HEADS = ((32, 32, 128), (32, 8, 128), (9, 3, 64))  # (heads, KV heads, head size): 7B, 8B, SmolLM2
 SINGLE_STREAM_TILES = [{"BLOCK_N": 32}, {"BLOCK_N": 32, "num_stages": 2}, {"num_stages": 2},
                        {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
                        {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1},
@@ -254,16 +255,16 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
     (``SINGLE_STREAM_TILES``: at 64-512 keys a 64-key tile leaves 1-8 partitions a head, each of 32 KB, and the
     7B step's 32 attention launches took 7.9 us each, eager, H100 session 26). Informational rows only."""
     block_size = 16
-    default = decode_mod._config(block_size)
     cases = {"default": (None, None), "default, first tile after the wait": (None, {"PREFETCH": False}),
              **{f"{n} splits": (n, None) for n in (1, 2, 4, 8, 16)},
              **{"default, " + ",".join(f"{k}={v}" for k, v in tile.items()): (None, tile)
                 for tile in SINGLE_STREAM_TILES}}
-    for kv_heads in (32, 8):
-        k_cache = torch.randn(max_ctx // block_size, block_size, kv_heads, 128, dtype=DTYPE, device=DEV)
+    for heads, kv_heads, head_dim in SINGLE_STREAM_HEADS:
+        k_cache = torch.randn(max_ctx // block_size, block_size, kv_heads, head_dim, dtype=DTYPE, device=DEV)
         v_cache = torch.randn_like(k_cache)
         table = torch.randperm(max_ctx // block_size, device=DEV).to(torch.int32)[None, :]
-        q = torch.randn(1, 32, 128, dtype=DTYPE, device=DEV)
+        q = torch.randn(1, heads, head_dim, dtype=DTYPE, device=DEV)
+        default = decode_mod._config(block_size, head_dim)
         for ctx in SINGLE_STREAM_CONTEXTS:
             lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
             times = {}
@@ -271,15 +272,16 @@ def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:
                 config = {**default, **variant} if variant else None
                 try:
                     ms = bench_graph([partial(decode_mod.decode_attention, q, k_cache, v_cache, table, lens,
-                                              128**-0.5, num_splits=splits, config=config)])
+                                              head_dim**-0.5, num_splits=splits, config=config)])
                 except Exception as exc:  # noqa: BLE001 (a variant that does not fit is reported, not fatal)
                     print(f"decode1 ctx {ctx} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     continue
                 times[name] = round(ms * 1e3, 2)
             best = min(times, key=times.get)
-            extra.append(info(f"paged decode batch 1 x ctx {ctx}, 32/{kv_heads} heads: default "
+            extra.append(info(f"paged decode batch 1 x ctx {ctx}, {heads}/{kv_heads} heads of {head_dim}: default "
                               f"({times['default']} us), best {best}", times[best], "us"))
-            print(json.dumps({"kv_heads": kv_heads, "ctx": ctx, **times}), flush=True)
+            print(json.dumps({"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "ctx": ctx, **times}),
+                  flush=True)
         del k_cache, v_cache
 
 
