@@ -534,6 +534,13 @@ def test_decode_attention_combines_partials_in_several_steps():
     check_decode_attention("cpu", torch.float16, [100, 0, 17], 6, 2, 32, 16, 8, config=config)
 
 
+def test_decode_attention_few_pairs_tile():
+    # batch-1 decode's GPU tile (128 keys a step over 8 blocks of 16): a partial tile, one full, several
+    from kernels.triton.decode_attention import FEW_PAIRS_TILE
+
+    check_decode_attention("cpu", torch.float16, [37, 128, 300], 4, 2, 32, 16, config=dict(FEW_PAIRS_TILE))
+
+
 @pytest.mark.parametrize("window,splits", [(1, None), (20, None), (37, 3), (64, 8)])
 def test_decode_attention_sliding_window(window, splits):
     # windows shorter than, equal to and longer than some contexts, across partition edges

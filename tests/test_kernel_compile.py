@@ -321,8 +321,9 @@ ATTENTION_STRIDES = {name: 4096 for name in ("stride_kb", "stride_kt", "stride_k
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("split", [False, True])
-def test_decode_attention_compiles_for_hopper(head_dim, split):
-    config = decode_attention._config(block_size=16, head_dim=head_dim)
+@pytest.mark.parametrize("few_pairs", [False, True])
+def test_decode_attention_compiles_for_hopper(head_dim, split, few_pairs):
+    config = decode_attention._config(block_size=16, head_dim=head_dim, few_pairs=few_pairs)
     group = 4  # q heads per kv head
     args = {"q_ptr": F16, "k_cache": F16, "v_cache": F16, "block_tables": I32, "context_lens": I32, "out_ptr": F16,
             "part_acc": F32, "part_ml": F32, "lock_ptr": I32, "qk_scale": 0.1, "window": 2**30,

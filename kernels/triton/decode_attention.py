@@ -259,12 +259,29 @@ def _decode_kernel(
                 rearm(lock_ptr, pair, (live * 0 + LOCK_PERIOD) - live)  # (tensor arithmetic: the interpreter)
 
 
-def _config(block_size: int, head_dim: int = 128) -> dict:
+FEW_PAIRS_TILE = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1}
+
+
+def has_few_pairs(pairs: int, sms: int) -> bool:
+    """Whether a launch's (sequence, KV head) pairs fill at most a quarter of the SMs (batch-1 decode of every
+    catalog model): there each program's time is the launch's, and it is set by its memory round trips, not by
+    how many programs share an SM."""
+    return 4 * pairs <= sms
+
+
+def _config(block_size: int, head_dim: int = 128, few_pairs: bool = False) -> dict:
     """Keys per loop step and pipelining on a GPU: 64 keys (4 blocks of 16), 4 stages (measured best at head_dim
-    128). Heads wider than 128 (Gemma's 256) take 2 stages: 4 stages of 64-key K and V tiles would need 256 KB of
-    shared memory, more than a Hopper SM has (not yet timed on a GPU)."""
+    128). With few pairs (``has_few_pairs``) a program takes 128 keys a step over 8 warps, unpipelined: a
+    partition's keys arrive in one round trip instead of two, and at 128 keys no partials are combined (H100,
+    batch 1, 32/8 heads: 4.98 -> 3.19 us at 128 keys, 5.96 -> 5.43 at 1,024; 9/3 heads of 64: 5.48 -> 2.80,
+    7.93 -> 5.43 at 2,048; bench/kernels.py --only decode1, session 29; batch-1 decode +1.9% on the 7B, +2.1% on
+    the 8B, +6.1% on SmolLM2, session 30). Heads wider than 128 (Gemma's 256) take 64 keys and 2 stages: 4
+    stages of 64-key K and V tiles, or one of 128 keys, would need 256 KB of shared memory, more than a Hopper SM
+    has (not yet timed on a GPU)."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if few_pairs and head_dim <= 128:
+        return {**FEW_PAIRS_TILE, "BLOCK_N": max(FEW_PAIRS_TILE["BLOCK_N"], block_size)}
     return {"BLOCK_N": max(64, block_size), "num_warps": 4, "num_stages": 4 if head_dim <= 128 else 2}
 
 
@@ -325,13 +342,13 @@ def decode_attention(
     group = num_heads // num_kv_heads
     group_p2 = next_pow2(group)
     block_d = next_pow2(head_dim)
-    cfg = dict(config or _config(block_size, head_dim))
+    sms = num_sms(q.device)
+    cfg = dict(config or _config(block_size, head_dim, has_few_pairs(num_seqs * num_kv_heads, sms)))
     cfg.setdefault("P_SPLIT", False)
     block_n = cfg.pop("BLOCK_N")
     chunk = cfg.pop("S_CHUNK", reduce_chunk(group, block_d))
     if num_splits is None:
-        num_splits = choose_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_n,
-                                   num_sms(q.device), chunk)
+        num_splits = choose_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_n, sms, chunk)
     pairs = num_seqs * num_kv_heads
     split = num_splits > 1
     cfg.setdefault("PREFETCH", prefetches_first_tile(split, block_d))
