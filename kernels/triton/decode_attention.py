@@ -342,14 +342,14 @@ def decode_attention(
     group = num_heads // num_kv_heads
     group_p2 = next_pow2(group)
     block_d = next_pow2(head_dim)
+    pairs = num_seqs * num_kv_heads
     sms = num_sms(q.device)
-    cfg = dict(config or _config(block_size, head_dim, has_few_pairs(num_seqs * num_kv_heads, sms)))
+    cfg = dict(config or _config(block_size, head_dim, has_few_pairs(pairs, sms)))
     cfg.setdefault("P_SPLIT", False)
     block_n = cfg.pop("BLOCK_N")
     chunk = cfg.pop("S_CHUNK", reduce_chunk(group, block_d))
     if num_splits is None:
         num_splits = choose_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_n, sms, chunk)
-    pairs = num_seqs * num_kv_heads
     split = num_splits > 1
     cfg.setdefault("PREFETCH", prefetches_first_tile(split, block_d))
     if split:
