@@ -54,11 +54,10 @@ def main() -> None:
     parser.add_argument("--max-registers", type=int, default=None, help="ptxas's cap (the plan's max_registers)")
     parser.add_argument("--x16", action="store_true", help="the integer dot over x in 16-bit fixed point")
     parser.add_argument("--x16-out", action="store_true", help="with --next-norm or silu: the row also as x16")
-    parser.add_argument("--early-step", action="store_true", help="the second K step loaded before the PDL wait")
     parser.add_argument("--sass", help="also write the whole disassembly here")
     args = parser.parse_args()
     plan = GemvPlan(args.block_n, args.block_k, args.splits, args.warps, one_step=args.one_step,
-                    max_registers=args.max_registers, early_step=args.early_step)
+                    max_registers=args.max_registers)
     compiled = compile_gemv(args, plan)
     instructions = disassemble(compiled.asm["cubin"])
     loop = main_loop(instructions) if not args.one_step else [text for _, text in instructions]

@@ -15,7 +15,7 @@ from hopper_compile import Constexpr
 from kernels.triton.dense_gemv import DenseGemvPlan
 from kernels.triton.gemv_epilogue import ROPE, SILU, STORE, norm_block
 from kernels.triton.split_k import split_k
-from kernels.triton.w4a16_gemv import GemvPlan, _k_steps, loads_early_step
+from kernels.triton.w4a16_gemv import GemvPlan, _k_steps
 
 F16, F32, I32 = torch.float16, torch.float32, torch.int32
 POINTERS = {"x_ptr": F16, "qw_ptr": I32, "scales_ptr": F16, "zeros_ptr": F16, "perm_ptr": I32, "x16_ptr": I32,
@@ -40,7 +40,7 @@ def gemv_args(k: int, n: int, group: int, plan: GemvPlan, *, epilogue=STORE, nor
     ``x16_out``: the next norm's input or SiLU's product also written so."""
     k_per_split, splits, block_k = _k_steps(k, group, plan)
     own = {"GROUP": group, "HAS_PERM": perm, "USE_ASM": True, "BLOCK_N": plan.block_n, "BLOCK_K": block_k,
-           "ONE_STEP": plan.one_step, "EARLY_STEP": loads_early_step(plan, x16), "X16": x16}
+           "ONE_STEP": plan.one_step, "X16": x16}
     return _with_tail(POINTERS, own, k, n, k_per_split, splits, epilogue=epilogue, norm=norm, qk_norm=qk_norm,
                       bias=bias, rope_sizes=rope_sizes, prescaled=prescaled, next_norm=next_norm, x16_out=x16_out)
 

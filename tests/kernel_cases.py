@@ -694,24 +694,6 @@ def test_w4a16_gemv_x16(fusion, group_size, plan, n):
     check_w4a16_gemv("cpu", k, n, group_size, False, fusion, plan=plan, x16=True)
 
 
-@pytest.mark.parametrize(
-    "fusion,group_size,split,block_n",
-    [("plain", 64, 3, 64), ("prescaled-norm+silu", 128, 2, 64), ("residual+next-norm", 32, 2, 128),
-     ("prescaled-norm+rope", 64, 3, 128), ("silu", 32, 1, 64)],
-)
-def test_w4a16_gemv_x16_early_step(fusion, group_size, split, block_n):
-    """The K loop that loads its second step before the PDL wait (``early_step``, the large-matrix rule with
-    the integer dot): splits of 3, 2 and 1 steps of 64 rows (K = 320 in 3 splits: the last is one step, whose
-    early second step lies past its end and is masked; K = 384 in 2: 3 steps each; one split: 5 or 6 steps),
-    with the fused layer's epilogues."""
-    from kernels.triton.w4a16_gemv import GemvPlan
-
-    k = 384 if group_size in (96, 128) else 320
-    n = 256 if "silu" in fusion else 128 if "rope" in fusion else block_n * 3
-    plan = GemvPlan(block_n=block_n, block_k=64, split=split, num_warps=1, early_step=True)
-    check_w4a16_gemv("cpu", k, n, group_size, False, fusion, plan=plan, x16=True)
-
-
 def test_x16_round_trip():
     """``quantize_x16`` keeps every element within half its block's step (2^-16 of the block's largest; q is
     rounded from x times 32767 / max, as the kernels compute it, and that product and the scale may be off by

@@ -284,23 +284,3 @@ def test_the_gemv_grid_table_can_lift_the_one_wave_cap():
     slower["grids"].append({"warps_per_sm": None, "block_k": 64, "one_wave": False, "half2_us": 23.0,
                             "x16_us": 22.8})  # 1%: noise
     assert gemv_tuned_table([slower]) == {}
-
-
-def test_the_gemv_grid_table_can_turn_the_early_step_off():
-    """The rule with one K step loaded before the PDL wait (``early_step=False``, the loop before session 31) is
-    timed beside it: where it is faster by more than noise the entry says so, and ``gemv_plan`` given that entry
-    plans it; the rule itself loads two on a large matrix, and a small matrix's one-step plan has no loop."""
-    sys.path.insert(0, str(ROOT))
-    from bench.gemv import gemv_tuned_table
-    from kernels.triton.w4a16_gemv import gemv_plan, loads_early_step
-
-    rule = gemv_plan(4096, 11008, 128, 132)
-    assert rule.early_step and loads_early_step(rule, x16=True) and not loads_early_step(rule, x16=False)
-    assert not loads_early_step(gemv_plan(576, 1536, 32, 132), x16=True)  # SmolLM2's down: one step
-    row = gemv_row(11008, 4096, (None, 64, 11.5, 11.5))
-    row["grids"].append({"warps_per_sm": None, "block_k": 64, "early_step": False, "half2_us": 11.5, "x16_us": 11.0})
-    entry = gemv_tuned_table([row])["11008x4096"]["1"]
-    assert entry == {"block_k": 64, "early_step": False}
-    assert not gemv_plan(4096, 11008, 128, 132, **entry).early_step
-    row["grids"][-1]["x16_us"] = 11.4  # 1%: noise
-    assert gemv_tuned_table([row]) == {}

@@ -531,7 +531,6 @@ def _gemv_kernel(
     NEXT_NORM: tl.constexpr,
     X16_OUT: tl.constexpr,
     X16: tl.constexpr,
-    EARLY_STEP: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. X16: the dot reads x
     # in 16-bit fixed point from x16_ptr (reference.quantize_x16; x then gives only the rms). ONE_STEP: each
@@ -554,20 +553,11 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
-    # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch. A large matrix
-    # loads its second step there too (EARLY_STEP): the loop holds two steps at its top anyway, so the registers
-    # are the same, and twice the bytes are in flight while the previous launch's last programs reduce. Each step
-    # then loads the one after next into registers once it has computed (Triton's shared-memory pipeline was
-    # never faster)
+    # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch; each step then
+    # loads the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
     qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
                                          n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
-    if EARLY_STEP:  # (never with ONE_STEP: the launcher's)
-        qw_ptrs += R * N
-        qw_next, s_next, s_high_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start + BLOCK_K,
-                                                                      k_end, (k_start + BLOCK_K) // 8 + rr, rn, n_mask,
-                                                                      N, GROUP, ROW_GROUPS, TWO_GROUPS, False, USE_ASM,
-                                                                      X16)  # masked past the split's end
     pos, slot = rope_position(pos_ptr, slot_ptr, EPILOGUE)
     if USE_PDL:
         gdc_wait()
@@ -584,11 +574,11 @@ def _gemv_kernel(
         # thread, so the sum is register adds, and 28 fewer registers stay live across the loop
         y = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            if not EARLY_STEP:  # the next step's loads go out before this one's dot
-                qw_ptrs += R * N
-                qw_next, s_next, s_high_next, zz_next, zm_next = _weight_step(
-                    qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end, (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N,
-                    GROUP, ROW_GROUPS, TWO_GROUPS, False, USE_ASM, X16)  # masked past the split's end
+            qw_ptrs += R * N
+            qw_next, s_next, s_high_next, zz_next, zm_next = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k0 + BLOCK_K, k_end,
+                                                             (k0 + BLOCK_K) // 8 + rr, rn, n_mask, N, GROUP,
+                                                             ROW_GROUPS, TWO_GROUPS, False,
+                                                             USE_ASM, X16)  # masked past the split's end
             if X16:
                 y += _step_dot_x16(x16_ptr, K, k0, k_end, rr, qw, s, s_high, zz, zm, False, ROW_GROUPS, TWO_GROUPS,
                                    USE_ASM)
@@ -596,11 +586,6 @@ def _gemv_kernel(
                 y += _step_dot(dot_ptr, norm_ptr, perm_ptr, k0, k_end, rr, qw, s, s_high, zz, zm, MUL_NORM, HAS_PERM,
                                USE_ASM, False, ROW_GROUPS, TWO_GROUPS)
             qw, s, s_high, zz, zm = qw_next, s_next, s_high_next, zz_next, zm_next
-            if EARLY_STEP:  # the step after next, loaded once this one's dot is done: two steps stay held
-                qw_ptrs += R * N
-                qw_next, s_next, s_high_next, zz_next, zm_next = _weight_step(
-                    qw_ptrs, scales_ptr, zeros_ptr, k0 + 2 * BLOCK_K, k_end, (k0 + 2 * BLOCK_K) // 8 + rr, rn, n_mask,
-                    N, GROUP, ROW_GROUPS, TWO_GROUPS, False, USE_ASM, X16)  # masked past the split's end
     # y [BLOCK_N]; with NORM, still to be scaled by 1 / rms(x)
     finish_tile(y, x_slice, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
                 k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
@@ -621,7 +606,6 @@ class GemvPlan:
     num_warps: int
     one_step: bool = False
     max_registers: int | None = None  # ptxas's cap (Triton's maxnreg); None: ptxas chooses
-    early_step: bool = False  # a K loop's second step loaded before the PDL wait too (``_gemv_kernel``)
 
 
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
@@ -638,7 +622,7 @@ def gemv_large_matrix(k: int, n: int) -> bool:
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
-              warps_per_sm: int = 24, block_k: int = 64, one_wave: bool = True, early_step: bool = True) -> GemvPlan:
+              warps_per_sm: int = 24, block_k: int = 64, one_wave: bool = True) -> GemvPlan:
     """Column tile, K step and split-K, from the sweeps of ``bench/gemv.py --sweep`` on an H200.
 
     A large matrix takes one warp per 128 columns: Triton then gives each thread four adjacent columns of
@@ -655,11 +639,9 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     each split sums the squares of its own slice, and the rule is not re-measured). A small matrix is latency, not
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
     and sums it in the program, with no partials or ticket. ``block_k``: a large matrix's K step (rows, a
-    multiple of 64; 128 is for timing it against 64, the steps of the sweeps above). ``early_step``: a large
-    matrix's program loads its first two K steps before the PDL wait, not one (False: the loop before, for
-    A/Bs)."""
+    multiple of 64; 128 is for timing it against 64, the steps of the sweeps above)."""
     if interpreting():
-        return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1, early_step=early_step)  # whole blocks
+        return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1)  # a K step is whole blocks
     if not gemv_large_matrix(k, n):
         block_n = max(32, head_dim or 1)
         split = 1  # more splits only where one program's K would not fit in registers
@@ -677,7 +659,7 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     split = max(1, min(most, cdiv(warps_per_sm * sms, tiles * warps), MAX_SPLIT))
     if one_wave:
         split = max(1, min(split, RESIDENT_WARPS * sms // (tiles * warps)))
-    return GemvPlan(block_n, block_k, split, warps, max_registers=LARGE_MATRIX_REGISTERS, early_step=early_step)
+    return GemvPlan(block_n, block_k, split, warps, max_registers=LARGE_MATRIX_REGISTERS)
 
 
 def launch_plan(device: torch.device, n: int, k: int, group_size: int, head_dim: int | None = None,
@@ -726,13 +708,6 @@ def register_cap(plan: GemvPlan, act_order: bool) -> int | None:
     """The plan's register cap as launched: none for act-order, whose element-wise x gathers spill 40 B under it
     (compiled for sm_90) and were not measured capped."""
     return None if act_order else plan.max_registers
-
-
-def loads_early_step(plan: GemvPlan, x16: bool) -> bool:
-    """Whether the launch loads its second K step before the PDL wait: a K loop's plan that asks for it, with
-    the integer dot (the fused layer's launches). The half2 dot's variants spill there (compiled for sm_90,
-    Triton 3.9: a norm multiplied in the loop 72-80 B at the 128-register cap, act-order's gathers 48 B at 168)."""
-    return plan.early_step and not plan.one_step and x16
 
 
 def gemv_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
@@ -799,8 +774,7 @@ def w4a16_gemv(
         x, qweight, scales, zeros, perm if perm is not None else qweight, x16 if x16 is not None else qweight,
         *launch.args, GROUP=group_size, X16=x16 is not None,
         HAS_PERM=perm is not None, USE_ASM=not interpreting(), BLOCK_N=plan.block_n, BLOCK_K=block_k,
-        ONE_STEP=plan.one_step, EARLY_STEP=loads_early_step(plan, x16 is not None), num_warps=plan.num_warps,
-        **launch.constexprs,
+        ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs,
         **maxnreg_option(register_cap(plan, perm is not None)),
     )
     return launch.out
