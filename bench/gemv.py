@@ -246,15 +246,17 @@ def time_x16(args, copy_bw: float) -> None:
             x16 = quantize_x16(fused.get("normed", x))
             nbytes = weight_bytes(k, n, group)
             row = {"layer": name, "launch": launch, "shape": f"{k}x{n} g{group}", "k": k, "n": n, "grids": []}
-            # grids as gemv_plan's arguments (a tuned entry's keys): the rule, other warps an SM and K steps, and
-            # the rule before its one-wave cap
+            # grids as gemv_plan's arguments (a tuned entry's keys): the rule, other warps an SM and K steps, the
+            # rule before its one-wave cap, and the rule with its first weights loaded after the PDL wait
             grids = [{}] + [{"warps_per_sm": per_sm, "block_k": block_k} for per_sm in args.x16_warps
-                            for block_k in (64, 128) if group >= 64 or block_k == 64] + [{"one_wave": False}]
+                            for block_k in (64, 128) if group >= 64 or block_k == 64] + [{"one_wave": False},
+                                                                                           {"weights_first": False}]
             for args_of_grid in grids:
                 plan = gemv_plan(n, k, group, sms, plan_head, spec.get("norm", False), **args_of_grid)
                 if plan.one_step and "warps_per_sm" in args_of_grid:  # a one-step plan has no grid to choose
                     continue
                 tag = ("default" if not args_of_grid else "uncapped-rule" if "one_wave" in args_of_grid else
+                       "weights-after-wait" if "weights_first" in args_of_grid else
                        f"{args_of_grid['warps_per_sm']} warps/SM k{args_of_grid['block_k']}")
                 grid = {"warps_per_sm": None, "block_k": 64, **args_of_grid}
                 for dot, extra in (("half2", {}), ("x16", {"x16": x16})):
@@ -296,11 +298,11 @@ def gemv_tuned_table(rows: list[dict]) -> dict:
     and kept the half2 dot within the same margin of the rule's: one entry serves both dots (a model whose rows
     cannot be x16 keeps the half2 dot; session 19 chose its H200 entries so by hand). An entry holds
     ``gemv_plan``'s arguments (the rule's where it omits one); ``launch_plan`` reads it at one row."""
-    rule_key = (None, 64, True)
+    rule_key = (None, 64, True, True)
     by_shape: dict[str, dict[tuple, dict]] = {}
     for row in rows:
         for grid in row["grids"]:
-            key = (grid["warps_per_sm"], grid["block_k"], grid.get("one_wave", True))
+            key = (grid["warps_per_sm"], grid["block_k"], grid.get("one_wave", True), grid.get("weights_first", True))
             shape = by_shape.setdefault(f"{row['k']}x{row['n']}", {})
             total = shape.setdefault(key, {"half2": 0.0, "x16": 0.0, "launches": 0})
             total["half2"] += grid["half2_us"]
@@ -316,13 +318,15 @@ def gemv_tuned_table(rows: list[dict]) -> dict:
                  and t["half2"] <= rule["half2"] / TUNED_MARGIN]
         if not whole:
             continue
-        (warps_per_sm, block_k, one_wave), best = min(whole, key=lambda item: item[1]["x16"])
+        (warps_per_sm, block_k, one_wave, weights_first), best = min(whole, key=lambda item: item[1]["x16"])
         if best["x16"] < TUNED_MARGIN * rule["x16"]:
             entry = {"block_k": block_k}
             if warps_per_sm is not None:
                 entry["warps_per_sm"] = warps_per_sm
             if not one_wave:
                 entry["one_wave"] = False
+            if not weights_first:
+                entry["weights_first"] = False
             table[shape] = {"1": entry}
     return table
 

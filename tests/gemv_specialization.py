@@ -40,7 +40,7 @@ def gemv_args(k: int, n: int, group: int, plan: GemvPlan, *, epilogue=STORE, nor
     ``x16_out``: the next norm's input or SiLU's product also written so."""
     k_per_split, splits, block_k = _k_steps(k, group, plan)
     own = {"GROUP": group, "HAS_PERM": perm, "USE_ASM": True, "BLOCK_N": plan.block_n, "BLOCK_K": block_k,
-           "ONE_STEP": plan.one_step, "X16": x16}
+           "ONE_STEP": plan.one_step, "WEIGHTS_FIRST": plan.weights_first, "X16": x16}
     return _with_tail(POINTERS, own, k, n, k_per_split, splits, epilogue=epilogue, norm=norm, qk_norm=qk_norm,
                       bias=bias, rope_sizes=rope_sizes, prescaled=prescaled, next_norm=next_norm, x16_out=x16_out)
 

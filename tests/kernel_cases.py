@@ -694,6 +694,20 @@ def test_w4a16_gemv_x16(fusion, group_size, plan, n):
     check_w4a16_gemv("cpu", k, n, group_size, False, fusion, plan=plan, x16=True)
 
 
+@pytest.mark.parametrize("fusion,x16,one_step", [("prescaled-norm+rope", True, False), ("residual+next-norm", True, False),
+                                               ("prescaled-norm+silu", False, False), ("residual", False, True)])
+def test_w4a16_gemv_weights_after_the_wait(fusion, x16, one_step):
+    """Plans that load their first K step's weights after the PDL wait (``weights_first=False``, timed against
+    the rule by ``bench/gemv.py --x16``) compute the same product: K loops of 2-3 steps and a one-step plan."""
+    from kernels.triton.w4a16_gemv import GemvPlan
+
+    block_n = 32 if "rope" in fusion or one_step else 64
+    plan = GemvPlan(block_n=block_n, block_k=0 if one_step else 64, split=2, num_warps=1, one_step=one_step,
+                    weights_first=False)
+    n = 128 if "rope" in fusion else 256 if "silu" in fusion else 192
+    check_w4a16_gemv("cpu", 320, n, 64, False, fusion, plan=plan, x16=x16)
+
+
 def test_x16_round_trip():
     """``quantize_x16`` keeps every element within half its block's step (2^-16 of the block's largest; q is
     rounded from x times 32767 / max, as the kernels compute it, and that product and the scale may be off by

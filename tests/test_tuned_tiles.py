@@ -284,3 +284,22 @@ def test_the_gemv_grid_table_can_lift_the_one_wave_cap():
     slower["grids"].append({"warps_per_sm": None, "block_k": 64, "one_wave": False, "half2_us": 23.0,
                             "x16_us": 22.8})  # 1%: noise
     assert gemv_tuned_table([slower]) == {}
+
+
+def test_the_gemv_grid_table_can_load_the_first_weights_after_the_wait():
+    """The rule with its first K step's weights loaded after the PDL wait (``weights_first=False``) is a grid
+    ``bench/gemv.py --x16`` times on every launch: where it is faster by more than noise the entry says so and
+    ``gemv_plan`` plans it; the rule loads them before the wait."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gemv import gemv_tuned_table
+    from kernels.triton.w4a16_gemv import gemv_plan
+
+    assert gemv_plan(4096, 11008, 128, 132).weights_first
+    row = gemv_row(11008, 4096, (None, 64, 11.5, 11.5))
+    row["grids"].append({"warps_per_sm": None, "block_k": 64, "weights_first": False, "half2_us": 11.4,
+                         "x16_us": 10.9})
+    entry = gemv_tuned_table([row])["11008x4096"]["1"]
+    assert entry == {"block_k": 64, "weights_first": False}
+    assert not gemv_plan(4096, 11008, 128, 132, **entry).weights_first
+    row["grids"][-1]["x16_us"] = 11.4  # 1%: noise
+    assert gemv_tuned_table([row]) == {}

@@ -531,6 +531,7 @@ def _gemv_kernel(
     NEXT_NORM: tl.constexpr,
     X16_OUT: tl.constexpr,
     X16: tl.constexpr,
+    WEIGHTS_FIRST: tl.constexpr,
 ):
     # x [K] @ W [K, N]; grid = (column tiles, splits); fp32 partials [splits, N] in part_ptr. X16: the dot reads x
     # in 16-bit fixed point from x16_ptr (reference.quantize_x16; x then gives only the rms). ONE_STEP: each
@@ -553,15 +554,20 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
-    # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch; each step then
-    # loads the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
+    # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch (WEIGHTS_FIRST;
+    # else after the wait, for timing whether those requests hold back that tail); each step then loads the
+    # next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
     qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
-    qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
-                                         n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
+    if WEIGHTS_FIRST:
+        qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
+                                             n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
     pos, slot = rope_position(pos_ptr, slot_ptr, EPILOGUE)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+    if not WEIGHTS_FIRST:
+        qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
+                                             n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
     MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
     dot_ptr, x_slice = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
     if ONE_STEP and X16:
@@ -606,6 +612,7 @@ class GemvPlan:
     num_warps: int
     one_step: bool = False
     max_registers: int | None = None  # ptxas's cap (Triton's maxnreg); None: ptxas chooses
+    weights_first: bool = True  # the first K step's weights loaded before the PDL wait (False: after it)
 
 
 SMALL_MATRIX = 1 << 22  # weights; SmolLM2's largest, gate/up 576 x 3072, has 1.8M
@@ -622,7 +629,8 @@ def gemv_large_matrix(k: int, n: int) -> bool:
 
 
 def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = None, norm: bool = False,
-              warps_per_sm: int = 24, block_k: int = 64, one_wave: bool = True) -> GemvPlan:
+              warps_per_sm: int = 24, block_k: int = 64, one_wave: bool = True,
+              weights_first: bool = True) -> GemvPlan:
     """Column tile, K step and split-K, from the sweeps of ``bench/gemv.py --sweep`` on an H200.
 
     A large matrix takes one warp per 128 columns: Triton then gives each thread four adjacent columns of
@@ -639,15 +647,19 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     each split sums the squares of its own slice, and the rule is not re-measured). A small matrix is latency, not
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
     and sums it in the program, with no partials or ticket. ``block_k``: a large matrix's K step (rows, a
-    multiple of 64; 128 is for timing it against 64, the steps of the sweeps above)."""
+    multiple of 64; 128 is for timing it against 64, the steps of the sweeps above). ``weights_first=False``:
+    the first step's weights (a small matrix's whole split) are loaded after the PDL wait, not before it, for timing whether
+    their requests delay the previous launch's tail (two steps before the wait lost 0.4-1.6 us on every 7B / 8B
+    launch, session 31)."""
     if interpreting():
-        return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1)  # a K step is whole blocks
+        return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1,  # a K step is whole blocks
+                        weights_first=weights_first)
     if not gemv_large_matrix(k, n):
         block_n = max(32, head_dim or 1)
         split = 1  # more splits only where one program's K would not fit in registers
         while _one_step_words(k, split, block_n) > ONE_STEP_WORDS and split < k // 64:
             split *= 2
-        return GemvPlan(block_n, 0, split, SMALL_MATRIX_WARPS, one_step=True)
+        return GemvPlan(block_n, 0, split, SMALL_MATRIX_WARPS, one_step=True, weights_first=weights_first)
     block_k = largest_pow2_divisor(k, block_k)  # whole 64-row blocks (K is whole blocks): no row mask needed
     steps = k // block_k
     block_n = max(128, head_dim or 1)  # a ROPE launch's tiles hold whole heads
@@ -659,7 +671,7 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     split = max(1, min(most, cdiv(warps_per_sm * sms, tiles * warps), MAX_SPLIT))
     if one_wave:
         split = max(1, min(split, RESIDENT_WARPS * sms // (tiles * warps)))
-    return GemvPlan(block_n, block_k, split, warps, max_registers=LARGE_MATRIX_REGISTERS)
+    return GemvPlan(block_n, block_k, split, warps, max_registers=LARGE_MATRIX_REGISTERS, weights_first=weights_first)
 
 
 def launch_plan(device: torch.device, n: int, k: int, group_size: int, head_dim: int | None = None,
@@ -774,7 +786,7 @@ def w4a16_gemv(
         x, qweight, scales, zeros, perm if perm is not None else qweight, x16 if x16 is not None else qweight,
         *launch.args, GROUP=group_size, X16=x16 is not None,
         HAS_PERM=perm is not None, USE_ASM=not interpreting(), BLOCK_N=plan.block_n, BLOCK_K=block_k,
-        ONE_STEP=plan.one_step, num_warps=plan.num_warps, **launch.constexprs,
+        ONE_STEP=plan.one_step, WEIGHTS_FIRST=plan.weights_first, num_warps=plan.num_warps, **launch.constexprs,
         **maxnreg_option(register_cap(plan, perm is not None)),
     )
     return launch.out
