@@ -7,11 +7,17 @@
 #   bash bench/single_stream.sh peer tests,   then at once   bash bench/single_stream.sh latency,
 #   then   bash bench/single_stream.sh half2 kernels
 #
+# or, where one call cannot hold the build and the tests: `build tests kernels` (the build outlives the call),
+# then at once `peer`, then `latency`.
+#
 # (carry .peers: ../shared/peers/fetch.sh fills it; with a GEMV baseline also .devcache). Steps:
 #   peer      llama.cpp's build (~4.5 min on 16 cores, niced, in the background from the start, with the F16 GGUF
 #             and the latency step's random-weight models built beside it), then, with nothing else running,
 #             llama-bench on the quantized shapes and the fp16 7B, and llama-batched-bench at 1, 32 and 128
 #             sequences on the 8B shape (issue 16's peers): $OUT/llamacpp.txt, kept in /tmp/lcpp too
+#   build     only the first half of peer: llama.cpp's build started in its own process session (it runs on after
+#             this call returns, while the machine stays warm) and the random-weight models; a later peer step
+#             waits for the build and benches
 #   tests     GPU tests: the GEMVs against the reference, the fused layer against the unfused one, greedy
 #             decoding against transformers (graphs and eager)
 #   latency   bench/latency.py: batch-1 decode of $MODELS (default SmolLM2, 7B AWQ, 7B fp16, 8B AWQ) and the 7B
@@ -50,26 +56,30 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(peer tests)
 has_step() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 
-if has_step peer && [ ! -x $LCPP/build/bin/llama-bench ]; then
-  say "llama.cpp build (and the F16 GGUF after it) in the background"
+if { has_step peer || has_step build; } && [ ! -x $LCPP/build/bin/llama-bench ] && [ ! -f $LCPP/building ]; then
+  say "llama.cpp build (and the F16 GGUF after it) in the background, in its own session (it outlives this call)"
   rm -f $LCPP/done
-  ( nice -n 19 cmake -S .peers/llama.cpp -B $LCPP/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  touch $LCPP/building
+  setsid nohup bash -c "nice -n 19 cmake -S .peers/llama.cpp -B $LCPP/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DCMAKE_BUILD_TYPE=Release > $LCPP/cmake.log 2>&1 &&
-    nice -n 19 cmake --build $LCPP/build -j"$(nproc)" --target llama-bench llama-quantize llama-batched-bench \
-      > $LCPP/build.log 2>&1; rc=$?
+    nice -n 19 cmake --build $LCPP/build -j$(nproc) --target llama-bench llama-quantize llama-batched-bench \
+      > $LCPP/build.log 2>&1; rc=\$?
     mkdir -p $LCPP/models
     [ -f $LCPP/models/l7b-f16.gguf ] || PYTHONPATH=.peers/llama.cpp/gguf-py nice -n 19 python3 .peers/make_gguf.py \
       .peers/vocab.gguf $LCPP/models/l7b-f16.gguf 4096 11008 32 32 32 > /dev/null 2>&1
-    echo $rc > $LCPP/done ) &
+    echo \$rc > $LCPP/done; rm -f $LCPP/building" > /dev/null 2>&1 < /dev/null &
+fi
+if { has_step peer || has_step build; } && [ ! -f "$MODELS_DIR/.built" ]; then
   say "the latency step's random-weight models, beside the build"
   timeout 400 $PY bench/random_model.py --cache "$MODELS_DIR" smollm2-135m:awq llama2-7b:awq llama2-7b:fp16 \
-    llama3-8b:awq 2>&1 | tail -n 4 | tee -a "$LOG"
+    llama3-8b:awq 2>&1 | tail -n 4 | tee -a "$LOG" && touch "$MODELS_DIR/.built"
 fi
 
 for step in "${steps[@]}"; do
   case $step in
     peer) ;;  # after the others (below): its benches run with nothing else on the machine
+    build) ;;  # started above; a later call's peer step waits for it and benches
     tests)
       say "GPU tests: GEMVs against the reference, the fused layer, greedy against transformers"
       timeout 280 $PY -m pytest -q -m gpu tests/test_kernels.py tests/test_fused_decode.py tests/test_gpu_engine.py \
@@ -136,7 +146,8 @@ done
 
 if has_step peer; then
   say "waiting for the llama.cpp build"
-  while [ ! -f $LCPP/done ] && [ $(( $(date +%s) - start )) -lt 420 ]; do sleep 5; done
+  while [ -f $LCPP/building ] && [ ! -f $LCPP/done ] && [ $(( $(date +%s) - start )) -lt 420 ]; do sleep 5; done
+  [ -x $LCPP/build/bin/llama-bench ] && [ ! -f $LCPP/done ] && echo 0 > $LCPP/done  # built in an earlier call
   if [ "$(cat $LCPP/done 2>/dev/null)" = 0 ]; then
     say "llama.cpp batch-1 decode (quantized shapes, then the fp16 7B)"
     { timeout 200 bash .peers/llamacpp_bench.sh smol,l7b,l8b 1,32,128; timeout 90 bash bench/llamacpp_fp16.sh; } \
