@@ -694,8 +694,9 @@ def test_w4a16_gemv_x16(fusion, group_size, plan, n):
     check_w4a16_gemv("cpu", k, n, group_size, False, fusion, plan=plan, x16=True)
 
 
-@pytest.mark.parametrize("fusion,x16,one_step", [("prescaled-norm+rope", True, False), ("residual+next-norm", True, False),
-                                               ("prescaled-norm+silu", False, False), ("residual", False, True)])
+@pytest.mark.parametrize("fusion,x16,one_step", [
+    ("prescaled-norm+rope", True, False), ("residual+next-norm", True, False), ("prescaled-norm+silu", False, False),
+    ("residual", False, True)])
 def test_w4a16_gemv_weights_after_the_wait(fusion, x16, one_step):
     """Plans that load their first K step's weights after the PDL wait (``weights_first=False``, timed against
     the rule by ``bench/gemv.py --x16``) compute the same product: K loops of 2-3 steps and a one-step plan."""

@@ -648,9 +648,9 @@ def gemv_plan(n: int, k: int, group_size: int, sms: int, head_dim: int | None = 
     bandwidth: each column tile is one program that loads all of K at once over 8 warps (one HBM round trip)
     and sums it in the program, with no partials or ticket. ``block_k``: a large matrix's K step (rows, a
     multiple of 64; 128 is for timing it against 64, the steps of the sweeps above). ``weights_first=False``:
-    the first step's weights (a small matrix's whole split) are loaded after the PDL wait, not before it, for timing whether
-    their requests delay the previous launch's tail (two steps before the wait lost 0.4-1.6 us on every 7B / 8B
-    launch, session 31)."""
+    the first step's weights (a small matrix's whole split) are loaded after the PDL wait, not before it, for
+    timing whether their requests delay the previous launch's tail (two steps before the wait lost 0.4-1.6 us on
+    every 7B / 8B launch, session 31)."""
     if interpreting():
         return GemvPlan(max(16, head_dim or 16), 64, max(1, min(2, k // 64)), 1,  # a K step is whole blocks
                         weights_first=weights_first)
