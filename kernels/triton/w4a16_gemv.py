@@ -555,19 +555,18 @@ def _gemv_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent
     # launch): they do not depend on it, so their HBM latency overlaps its tail and this launch (WEIGHTS_FIRST;
-    # else after the wait, for timing whether those requests hold back that tail); each step then loads the
-    # next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
-    qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
-    if WEIGHTS_FIRST:
-        qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
-                                             n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
-    pos, slot = rope_position(pos_ptr, slot_ptr, EPILOGUE)
-    if USE_PDL:
+    # else the wait comes first, for timing whether those requests hold back that tail); each step then loads
+    # the next one's into registers while it computes (Triton's shared-memory pipeline was never faster)
+    if USE_PDL and not WEIGHTS_FIRST:
         gdc_wait()
         gdc_launch_dependents()
-    if not WEIGHTS_FIRST:
-        qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
-                                             n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
+    qw_ptrs = qw_ptr + (k_start // 8 + rr).to(tl.int64)[:, None] * N + rn[None, :]  # [R, BN], advanced a step at a time
+    qw, s, s_high, zz, zm = _weight_step(qw_ptrs, scales_ptr, zeros_ptr, k_start, k_end, k_start // 8 + rr, rn,
+                                         n_mask, N, GROUP, ROW_GROUPS, TWO_GROUPS, ONE_STEP, USE_ASM, X16)
+    pos, slot = rope_position(pos_ptr, slot_ptr, EPILOGUE)
+    if USE_PDL and WEIGHTS_FIRST:
+        gdc_wait()
+        gdc_launch_dependents()
     MUL_NORM: tl.constexpr = NORM and not PRESCALED  # the dot multiplies x by the norm weight itself
     dot_ptr, x_slice = dot_input(x_ptr, normed_ptr, k_start, k_end, NORM, PRESCALED, EPILOGUE, SPLITS, NORM_BLOCK)
     if ONE_STEP and X16:
