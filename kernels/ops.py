@@ -81,6 +81,9 @@ class Backend:
     def dense_gemv(self, x, weight, **fused):
         return self._for("dense_gemv").dense_gemv(x, weight, **fused)
 
+    def w8a16_matmul(self, x, qweight, row_scales):
+        return self._for("w8a16_matmul").w8a16_matmul(x, qweight, row_scales)
+
     def masked_logits(self, logits, bits):
         return self._for("masked_logits").masked_logits(logits, bits)
 

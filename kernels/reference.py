@@ -306,12 +306,24 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return out
 
 
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (qweight * row_scales[:, None])^T -> [M, N] in x's dtype: an int8 weight [N, K] (a Linear's
+    own layout) with one scale per output row [N] (``Int8Rows``, the optional int8 LM head). The integer
+    products are summed in fp32 and scaled once a row, as the kernels do."""
+    y = torch.nn.functional.linear(x.float(), qweight.float()) * row_scales.float()
+    return y.to(x.dtype)
+
+
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                normed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, silu: bool = False,
-               rope: dict | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``w4a16_gemv`` for a dense weight [N, K] (a Linear's own layout): x @ weight^T with the same fusions."""
+               rope: dict | None = None, bias: torch.Tensor | None = None,
+               row_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``w4a16_gemv`` for a dense weight [N, K] (a Linear's own layout): x @ weight^T with the same fusions.
+    row_scales [N]: the weight is int8 and ``w8a16_matmul``'s product is the GEMV's."""
     def matmul(row: torch.Tensor) -> torch.Tensor:
+        if row_scales is not None:
+            return w8a16_matmul(row, weight, row_scales)
         return torch.nn.functional.linear(row, weight)
 
     return _fused_one_row(x, matmul, norm_weight=norm_weight, eps=eps, normed=normed, residual=residual,

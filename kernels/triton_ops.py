@@ -15,7 +15,9 @@ Shapes:
                       -> [M, N]
   w4a16_gemv          x [1, K] and the same weights, with a fused RMSNorm before and a residual add, SiLU x up
                       or rotary + KV-cache write after (reference.w4a16_gemv) -> [1, N], [1, N // 2] or q
-  dense_gemv          x [1, K]; weight [N, K] fp16 (a Linear's own): w4a16_gemv's fusions around x @ weight^T
+  dense_gemv          x [1, K]; weight [N, K] fp16 (a Linear's own): w4a16_gemv's fusions around x @ weight^T;
+                      or int8 with row_scales [N] (the int8 LM head)
+  w8a16_matmul        x [M, K]; qweight [N, K] int8; row_scales [N] -> [M, N]
   masked_logits       logits [rows, vocab] fp32; bits [rows, ceil(vocab / 32)] int32 (packed grammar mask)
                       -> [rows, vocab], -inf where the bit is clear
 """
@@ -33,6 +35,7 @@ from kernels.triton import (
     rotary,
     token_mask,
     w4a16,
+    w8a16,
 )
 from kernels.triton import dense_gemv as dense
 from kernels.triton import w4a16_gemv as gemv
@@ -117,9 +120,14 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                normed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, silu: bool = False,
-               rope: dict | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               rope: dict | None = None, bias: torch.Tensor | None = None,
+               row_scales: torch.Tensor | None = None) -> torch.Tensor:
     return dense.dense_gemv(x, weight, norm_weight=norm_weight, eps=eps, normed=normed, residual=residual,
-                            next_norm=next_norm, silu=silu, rope=rope, bias=bias)
+                            next_norm=next_norm, silu=silu, rope=rope, bias=bias, row_scales=row_scales)
+
+
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    return w8a16.w8a16_matmul(x, qweight, row_scales)
 
 
 def masked_logits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

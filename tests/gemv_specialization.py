@@ -47,13 +47,16 @@ def gemv_args(k: int, n: int, group: int, plan: GemvPlan, *, epilogue=STORE, nor
 
 def dense_gemv_args(k: int, n: int, plan: DenseGemvPlan, *, epilogue=STORE, norm: bool = False,
                     qk_norm: bool = False, bias: bool = False, rope_sizes: dict | None = None,
-                    prescaled: bool = False, next_norm: bool = False) -> dict:
-    """``gemv_args`` for ``_dense_gemv_kernel``: an fp16 [N, K] weight launched under ``plan``."""
+                    prescaled: bool = False, next_norm: bool = False, int8: bool = False) -> dict:
+    """``gemv_args`` for ``_dense_gemv_kernel``: an fp16 [N, K] weight launched under ``plan``; ``int8``: int8
+    codes with a scale a row (the int8 LM head)."""
     k_per_split, splits = split_k(k, plan.block_k, plan.split)
-    args = _with_tail(DENSE_POINTERS, {"BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k}, k, n, k_per_split,
-                      splits, epilogue=epilogue, norm=norm, qk_norm=qk_norm, bias=bias, rope_sizes=rope_sizes,
-                      prescaled=prescaled, next_norm=next_norm)
-    return {**args, "stride_wn": k}  # rows contiguous: the stride is K
+    pointers = {**DENSE_POINTERS, "w_ptr": torch.int8 if int8 else F16}
+    own = {"BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "ROW_SCALES": int8}
+    args = _with_tail(pointers, own, k, n, k_per_split, splits, epilogue=epilogue, norm=norm, qk_norm=qk_norm,
+                      bias=bias, rope_sizes=rope_sizes, prescaled=prescaled, next_norm=next_norm)
+    # rows contiguous: the stride is K; without row scales the launcher passes the weight as their (unread) pointer
+    return {**args, "stride_wn": k, "row_scale_ptr": F16}
 
 
 def _with_tail(pointers: dict, own: dict, k: int, n: int, k_per_split: int, splits: int, *, epilogue, norm: bool,

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one block of an sm_90 kernel may use
 POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-                 torch.int64: "*i64"}
+                 torch.int64: "*i64", torch.int8: "*i8"}
 
 
 @dataclass(frozen=True)

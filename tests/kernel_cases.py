@@ -372,20 +372,40 @@ def check_x16_planes(x16: torch.Tensor, row: torch.Tensor) -> None:
 
 
 def check_dense_gemv(device: str, k: int, n: int, fusion: str, head_dim: int = 32, plan=None,
-                     bias: bool = False) -> None:
+                     bias: bool = False, int8: bool = False) -> None:
     """The M = 1 fp16 GEMV of a dense [N, K] weight (kernels/triton/dense_gemv.py), alone or fused
-    (``check_one_row``)."""
+    (``check_one_row``); ``int8``: int8 codes with a scale a row (the int8 LM head, ``row_scales``)."""
     from kernels.triton.dense_gemv import dense_gemv
 
-    weight = (torch.randn(n, k, device=device) / k**0.5).to(torch.float16)  # unit-variance outputs
+    if int8:
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+        row_scales = ((torch.rand(n, device=device) + 0.5) / (73 * k**0.5)).to(torch.float16)  # |q| ~ 73
+        fixed = {"row_scales": row_scales}
+    else:
+        weight = (torch.randn(n, k, device=device) / k**0.5).to(torch.float16)  # unit-variance outputs
+        fixed = {}
 
     def launch(x, **fused):
-        return dense_gemv(x, weight, plan=plan, **fused)
+        return dense_gemv(x, weight, plan=plan, **fixed, **fused)
 
     def exact(x):
-        return x @ weight.to(x.dtype).t()
+        y = x @ weight.to(x.dtype).t()
+        return y * row_scales.to(x.dtype) if int8 else y
 
-    check_one_row(device, k, n, fusion, launch, exact, head_dim, bias, f"dense gemv {fusion} K={k} N={n} bias={bias}")
+    check_one_row(device, k, n, fusion, launch, exact, head_dim, bias,
+                  f"dense gemv {fusion} K={k} N={n} bias={bias} int8={int8}")
+
+
+def check_w8a16_matmul(device: str, m: int, k: int, n: int, dtype: torch.dtype = torch.float16) -> None:
+    """The int8 head's matmul for any rows (kernels/triton/w8a16.py) against reference.w8a16_matmul."""
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    row_scales = ((torch.rand(n, device=device) + 0.5) / (73 * k**0.5)).to(dtype)
+    poison(device, m * n * 2)
+    out = _ops().w8a16_matmul(x, qweight, row_scales)
+    wide = torch.float64 if device == "cpu" else torch.float32
+    want = ((x.to(wide) @ qweight.to(wide).t()) * row_scales.to(wide)).to(dtype)
+    assert_rel(out, want, TOL[dtype]["matmul"], f"w8a16 M={m} K={k} N={n} {dtype}")
 
 
 def check_one_row(device: str, k: int, n: int, fusion: str, launch, exact, head_dim: int, bias: bool,
@@ -770,6 +790,30 @@ def test_dense_gemv(fusion, k, n, bias):
     """The dense fp16 GEMV under the interpreter's plan (two splits): K = 200 is not a whole number of K steps
     (the last one masked), N = 72 not of row tiles (the edge tile masked)."""
     check_dense_gemv("cpu", k, n, fusion, bias=bias)
+
+
+@pytest.mark.parametrize("fusion,k,n", [("plain", 208, 72), ("norm", 256, 72), ("prescaled-norm", 320, 64),
+                                         ("plain", 576, 40)])
+def test_dense_gemv_int8_rows(fusion, k, n):
+    """The dense GEMV over int8 codes with a scale a row (the int8 LM head, with the final norm on its launch
+    as the fused decode step runs it): K = 208 is not whole K steps, N = 72 not whole row tiles; a dropped row
+    scale or a code's offset left in would be off by orders of magnitude."""
+    check_dense_gemv("cpu", k, n, fusion, int8=True)
+
+
+def test_dense_gemv_int8_rows_refuse_a_k_not_of_16():
+    from kernels.triton.dense_gemv import dense_gemv
+
+    x = torch.randn(1, 200, dtype=torch.float16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        dense_gemv(x, torch.zeros(8, 200, dtype=torch.int8), row_scales=torch.ones(8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 80, 72), (5, 64, 96), (17, 96, 40), (40, 48, 64)])
+def test_w8a16_matmul(m, k, n):
+    """The int8 head's matmul under the interpreter's tiles (16 x 32, K steps of 32): K = 80 and 48 leave a
+    masked last step, N = 72 and 40 a masked edge tile, M = 17 and 40 more than one row tile."""
+    check_w8a16_matmul("cpu", m, k, n)
 
 
 @pytest.mark.parametrize("fusion,split,block_n,block_k", [

@@ -43,6 +43,7 @@ def test_triton_ops_have_the_reference_signatures():
         "w4a16_matmul",
         "w4a16_gemv",
         "dense_gemv",
+        "w8a16_matmul",
         "masked_logits",
     ]:
         assert inspect.signature(getattr(triton_ops, name)) == inspect.signature(getattr(reference, name)), (

@@ -22,6 +22,15 @@ LM head's launch.
   needs; with Qwen3's per-head q/k norms it holds a whole head.
 - With the RMSNorm prologue the dot reads x times the norm weight (formed here in fp16, or read as the previous
   launch's ``normed``), and the tail scales the sum by 1 / rms, as the int4 GEMV does.
+- An int8 weight with a scale per row (``row_scales``: the optional int8 LM head, ``Int8Rows``) takes the same
+  loop at 16 weights a thread a step (still one 16-byte load a row). A code becomes fp32 without the
+  conversion unit: added to the bits of 1.5 * 2^23 and that float subtracted (an integer add and an FADD,
+  exact for |q| < 2^22), where the H200's bandwidth in int8 weights would need about the 16 conversions a
+  cycle an SM has. The row's scale multiplies its sum once, before the tail. Compiled for sm_90 (8B head,
+  final norm): 159 registers, no spills, 5.8 SASS instructions a weight, and x through shared memory (its
+  8-element runs do not match the weights' 16): ~0.6 of an SM's issue rate at the H100's bandwidth, ~0.85 at
+  the H200's, so on an H200 it may be issue-bound (not yet timed). A DP2A dot over the x16 planes
+  (w4a16_gemv.py's) with the head's bytes reordered to the planes' rows would take ~0.6 a weight.
 """
 
 from __future__ import annotations
@@ -53,6 +62,20 @@ from kernels.triton.gemv_epilogue import (
 from kernels.triton.split_k import split_k
 
 
+INT8_MAGIC: tl.constexpr = tl.constexpr(0x4B400000)  # the bits of 1.5 * 2^23
+INT8_MAGIC_FLOAT: tl.constexpr = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _weights_f32(w, INT8: tl.constexpr):
+    # a step's weights [BN, BK] in fp32: fp16 converted, or int8 codes q as float(bits(1.5 * 2^23) + q) - 1.5 * 2^23
+    # (exact: the sum stays within the float's 23-bit mantissa), no int-to-float conversion
+    if INT8:
+        return (w.to(tl.int32) + INT8_MAGIC).to(tl.float32, bitcast=True) - INT8_MAGIC_FLOAT
+    else:
+        return w.to(tl.float32)
+
+
 @triton.jit
 def _dense_gemv_kernel(
     x_ptr,
@@ -82,6 +105,7 @@ def _dense_gemv_kernel(
     eps,
     qk_eps,
     stride_wn,
+    row_scale_ptr,
     NORM: tl.constexpr,
     EPILOGUE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -97,10 +121,12 @@ def _dense_gemv_kernel(
     X16_OUT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
 ):
     # x [K] @ W^T, W [N, K] (row stride stride_wn); grid = (column tiles, splits); fp32 partials [splits, N] in
     # part_ptr. PRESCALED (with NORM): the dot reads x * norm weight from normed_ptr (the previous launch's
-    # NEXT_NORM output) and x gives only the rms
+    # NEXT_NORM output) and x gives only the rms. ROW_SCALES: W is int8 codes and row n's product is scaled by
+    # row_scale_ptr[n]
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if EPILOGUE == ROPE and not QK_NORM:  # rotary pairs: row i is column d (+ HEAD_DIM / 2 in the second half)
@@ -112,16 +138,17 @@ def _dense_gemv_kernel(
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
-    # masks past the split's end are per 8 columns: K is a multiple of 8, and a mask that is constant over each
-    # thread's 8 contiguous weights lets them load as one 16-byte access (per column, it split them into 4-byte
-    # loads: SASS, session 18)
-    rk_chunk = rk // 8 * 8
+    # masks past the split's end are per 16 bytes: K is a multiple of 8 (16 for int8), and a mask that is
+    # constant over each thread's 8 (16) contiguous weights lets them load as one 16-byte access (per column, it
+    # split them into 4-byte loads: SASS, session 18)
+    CHUNK: tl.constexpr = 16 if ROW_SCALES else 8
+    rk_chunk = rk // CHUNK * CHUNK
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]  # [BN, BK], a step at a time
     # the first step's weights are loaded before waiting on the previous kernel (programmatic dependent launch):
     # they do not depend on it, so their HBM latency overlaps its tail
-    w = tl.load(w_ptrs, mask=n_mask[:, None] & (k_start + rk_chunk < k_end)[None, :], other=0.0,
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & (k_start + rk_chunk < k_end)[None, :], other=0,
                 eviction_policy="evict_first")
     pos, slot = rope_position(pos_ptr, slot_ptr, EPILOGUE)
     if USE_PDL:
@@ -133,14 +160,16 @@ def _dense_gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
         live_next = (k0 + BLOCK_K + rk_chunk) < k_end
-        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & live_next[None, :], other=0.0, eviction_policy="evict_first")
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & live_next[None, :], other=0, eviction_policy="evict_first")
         live = (k0 + rk_chunk) < k_end
         x = tl.load(dot_ptr + k0 + rk, mask=live, other=0.0)  # [BK] fp16
         if MUL_NORM:  # rounded to fp16, as the int4 GEMV's half2 multiply rounds it
             x = x * tl.load(norm_ptr + k0 + rk, mask=live, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += _weights_f32(w, ROW_SCALES) * x.to(tl.float32)[None, :]
         w = w_next
     y = tl.sum(acc, axis=1)  # [BN]; with NORM, still to be scaled by 1 / rms(x)
+    if ROW_SCALES:
+        y *= tl.load(row_scale_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     finish_tile(y, x_slice, pid_n, pid_k, x_ptr, out_ptr, part_ptr, squares_ptr, lock_ptr, cos_sin_ptr, pos, slot,
                 k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, bias_ptr, next_norm_ptr, normed_out_ptr, x16_out_ptr, rn, n_mask, N,
                 K,
@@ -170,7 +199,7 @@ ONE_WAVE_PROGRAMS_PER_SM = warps_an_sm_holds(ONE_WAVE_REGISTERS) // WARPS  # 8
 
 
 def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps_per_sm: int = 24,
-                    norm: bool = False, one_wave: bool = True) -> DenseGemvPlan:
+                    norm: bool = False, one_wave: bool = True, element_size: int = 2) -> DenseGemvPlan:
     """Column tile, K step and split-K. A tile is ``ROWS_PER_THREAD`` rows (a ROPE launch's: two rotary pairs),
     each thread holding 8 contiguous weights of every row and the warps side by side along K: a K step is
     8 x 32 x ``WARPS`` = 1,024 columns (capped at K's power of two), and x's slice of a step is one 16-byte load
@@ -181,36 +210,45 @@ def dense_gemv_plan(n: int, k: int, sms: int, head_dim: int | None = None, warps
     the SMs hold in one wave only at ``ONE_WAVE_REGISTERS`` gets that cap (``one_wave``; not with an RMSNorm
     prologue, ``norm``, whose launches spill there): the 7B o and down are 1,024 programs, 924 resident at 66
     registers on 132 SMs, and the 100 left over ran their whole K loop (11 steps on down) in the launch's tail at
-    one program an SM; at 64 registers 1,056 fit. Larger grids are many waves of short programs either way."""
+    one program an SM; at 64 registers 1,056 fit. Larger grids are many waves of short programs either way.
+    ``element_size`` 1 (an int8 weight): 16 weights a thread a step, the same 16 bytes, with no cap (its
+    accumulators are twice the fp16 tile's: 64 fp32 a thread)."""
+    per_load = 16 // element_size  # weights in a thread's 16-byte load of a row
     if head_dim is not None:
         block_n, warps = head_dim, 8
         block_k = HEAD_TILE_WEIGHTS * 32 * warps // head_dim
     else:
         block_n, warps = ROWS_PER_THREAD, WARPS
-        block_k = 8 * 32 * warps
+        block_k = per_load * 32 * warps
     if interpreting():
         return DenseGemvPlan(block_n, 32, max(1, min(2, cdiv(k, 32))), 1)
     block_k = min(block_k, next_pow2(k))
     split = max(1, min(cdiv(k, block_k), cdiv(warps_per_sm * sms, cdiv(n, block_n) * warps), MAX_SPLIT))
     programs = cdiv(n, block_n) * split
-    capped = one_wave and not norm and warps == WARPS and (UNCAPPED_PROGRAMS_PER_SM * sms < programs
-                                                           <= ONE_WAVE_PROGRAMS_PER_SM * sms)
+    capped = (one_wave and not norm and warps == WARPS and element_size == 2
+              and UNCAPPED_PROGRAMS_PER_SM * sms < programs <= ONE_WAVE_PROGRAMS_PER_SM * sms)
     return DenseGemvPlan(block_n, block_k, split, warps, ONE_WAVE_REGISTERS if capped else None)
 
 
-def dense_weight_unsupported(weight: torch.Tensor) -> str | None:
+def dense_weight_unsupported(weight: torch.Tensor, row_scales: torch.Tensor | None = None) -> str | None:
     """Why the dense GEMV cannot read ``weight`` (None when it can): it needs an fp16 [N, K] with contiguous
-    rows and K a multiple of 8 (the loop's masks are per 16 bytes). The fused decode layer asks this at load."""
+    rows and K a multiple of 8 (the loop's masks are per 16 bytes), or with ``row_scales`` [N] an int8 one with
+    K a multiple of 16. The fused decode layer asks this at load."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         return f"a weight of shape {tuple(weight.shape)} without contiguous rows"
+    if row_scales is not None:
+        if weight.dtype != torch.int8 or weight.shape[1] % 16 or row_scales.shape != weight.shape[:1]:
+            return (f"an int8 weight of {weight.dtype}, in_features {weight.shape[1]}, row scales "
+                    f"{tuple(row_scales.shape)} (needs int8, a multiple of 16, a scale a row)")
+        return None
     if weight.dtype != torch.float16 or weight.shape[1] % 8:
         return f"a dense weight of {weight.dtype}, in_features {weight.shape[1]} (needs fp16, a multiple of 8)"
     return None
 
 
-def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor | None = None) -> bool:
     """One fp16 row against a weight ``dense_weight_unsupported`` accepts."""
-    return x.dtype == torch.float16 and x.shape[0] == 1 and dense_weight_unsupported(weight) is None
+    return x.dtype == torch.float16 and x.shape[0] == 1 and dense_weight_unsupported(weight, row_scales) is None
 
 
 def dense_gemv(
@@ -225,27 +263,30 @@ def dense_gemv(
     silu: bool = False,
     rope: dict | None = None,
     bias: torch.Tensor | None = None,
+    row_scales: torch.Tensor | None = None,
     plan: DenseGemvPlan | None = None,
 ) -> torch.Tensor:
     """y = x @ weight^T for one row, with optional fused neighbours: x [1, K] fp16, weight [N, K] fp16 (rows
-    contiguous); the fusions are ``w4a16_gemv``'s (kernels/triton/w4a16_gemv.py) and return what it returns."""
+    contiguous), or int8 codes with ``row_scales`` [N] (y = (x @ weight^T) * row_scales); the fusions are
+    ``w4a16_gemv``'s (kernels/triton/w4a16_gemv.py) and return what it returns."""
     k = x.shape[1]
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"dense_gemv: weight {tuple(weight.shape)} is not [N, {k}]")
-    if not dense_gemv_supported(x, weight):
+    if not dense_gemv_supported(x, weight, row_scales):
         raise ValueError(f"dense_gemv: needs one fp16 row (x {tuple(x.shape)} {x.dtype}) and a weight the kernel "
-                         f"reads ({dense_weight_unsupported(weight) or 'it does'})")
+                         f"reads ({dense_weight_unsupported(weight, row_scales) or 'it does'})")
     x = x.contiguous()
     whole_heads = rope is not None and rope.get("q_norm") is not None  # else rope tiles are rotary pairs
     plan = plan or dense_gemv_plan(n, k, num_sms(x.device), rope["head_dim"] if whole_heads else None,
-                                   norm=norm_weight is not None)
+                                   norm=norm_weight is not None, element_size=weight.element_size())
     k_per_split, splits = split_k(k, plan.block_k, plan.split)
     launch = epilogue_launch("dense_gemv", x, weight, n, plan.block_n, k_per_split, splits, norm_weight=norm_weight,
                              eps=eps, normed=normed, residual=residual, next_norm=next_norm, silu=silu, rope=rope,
                              bias=bias, rope_pairs=not whole_heads)
     _dense_gemv_kernel[(cdiv(n, plan.block_n), splits)](
-        x, weight, *launch.args, weight.stride(0), BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        x, weight, *launch.args, weight.stride(0), row_scales if row_scales is not None else weight,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_SCALES=row_scales is not None,
         num_warps=plan.num_warps, **launch.constexprs,
         **maxnreg_option(plan.max_registers),
     )
