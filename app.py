@@ -41,6 +41,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=defaults.async_scheduling,
                         help="schedule each decode step while the previous one runs (its tokens read on the device)")
+    parser.add_argument("--lm-head-quantization", default=defaults.lm_head_quantization, choices=["none", "int8"],
+                        help="int8: hold the LM head as int8 rows (half its bytes a token, logits change slightly; "
+                             "llama.cpp's Q4 files keep it at Q6_K); none: as the checkpoint has it")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -9,7 +9,8 @@ allocates, not what the checkpoint file weighs:
   ``K * N * bits / 8`` packed bytes + ``scales`` and ``zeros`` ``[K // G, N]`` in the activation dtype
   + an int64 act-order permutation of ``K`` rows when ``desc_act``, one per merged input (q/k/v share one,
   gate/up share one, as the loader concatenates them). Embeddings, lm_head, norms and biases stay in the
-  activation dtype.
+  activation dtype, but for ``--lm-head-quantization int8``: the head is then int8 rows with a scale each
+  (a tied embedding is kept too, for the lookups).
 - KV cache: ``2 * layers * kv_heads * head_dim * element size`` bytes per token, allocated in whole blocks
   of ``block_size`` tokens: ``num_blocks = kv_budget // bytes_per_block`` (rounded down, as the engine does).
 - activations: what the engine's profile of one forward at the token budget will measure (see
@@ -115,13 +116,17 @@ def layer_linear_shapes(mc: ModelConfig) -> list[tuple[str, int, int, bool]]:
     ]
 
 
-def estimate_weight_bytes(model_config: ModelConfig, dtype: torch.dtype | str) -> int:
+def estimate_weight_bytes(model_config: ModelConfig, dtype: torch.dtype | str, lm_head_quantization: str = "none"
+                          ) -> int:
     """Device bytes of all weights once loaded (see the module docstring for what is counted)."""
     mc = model_config
     act = dtype_bytes(_resolve(mc, dtype))
     quant = QuantSpec.from_config(mc.quantization_config)
     embed = mc.vocab_size * mc.hidden_size * act
-    lm_head = 0 if mc.tie_word_embeddings else embed
+    if lm_head_quantization == "int8":  # int8 rows and a scale each
+        lm_head = mc.vocab_size * (mc.hidden_size + act)
+    else:
+        lm_head = 0 if mc.tie_word_embeddings else embed
     per_layer = sum(linear_bytes(i, o, act, quant, b) for _, i, o, b in layer_linear_shapes(mc))
     norm = 4 if mc.architecture == GEMMA3 else act  # Gemma's norms are held as float32 (1 + weight)
     per_layer += 2 * mc.hidden_size * norm  # input_layernorm + post_attention_layernorm
@@ -198,14 +203,15 @@ class FitReport:
 def check_fit(model_config: ModelConfig, dtype: torch.dtype | str, budget_bytes: int,
               max_model_len: int | None = None, block_size: int = 16, *,
               max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
-              activation_reserve_bytes: int | None = None, kv_cache_bytes: int | None = None) -> FitReport:
+              activation_reserve_bytes: int | None = None, kv_cache_bytes: int | None = None,
+              lm_head_quantization: str = "none") -> FitReport:
     """The fit report for a budget. ``kv_cache_bytes`` (an explicit KV budget, as on CPU) replaces the
     subtraction; ``activation_reserve_bytes`` (a profiled peak) replaces the estimate."""
     if block_size <= 0:
         raise EngineError("block_size must be positive", param="block_size")
     mc = model_config
     max_len = int(max_model_len or mc.max_position_embeddings)
-    weights = estimate_weight_bytes(mc, dtype)
+    weights = estimate_weight_bytes(mc, dtype, lm_head_quantization)
     per_token = kv_bytes_per_token(mc, dtype)
     reserve = activation_reserve_bytes
     if reserve is None:

@@ -155,10 +155,11 @@ class LLMEngine:
             budget = cuda_budget_bytes(args, self.device) - device_bytes_outside_torch(self.device)
         else:
             kv_bytes = cpu_kv_cache_bytes(args)
-            budget = estimate_weight_bytes(config, self.dtype) + kv_bytes
+            budget = estimate_weight_bytes(config, self.dtype, args.lm_head_quantization) + kv_bytes
         require_fit(config, self.dtype, budget, args.max_model_len, args.block_size,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                    kv_cache_bytes=kv_bytes, activation_reserve_bytes=0 if kv_bytes is not None else None)
+                    kv_cache_bytes=kv_bytes, activation_reserve_bytes=0 if kv_bytes is not None else None,
+                    lm_head_quantization=args.lm_head_quantization)
 
     def _fit_max_model_len(self, requested: int) -> int:
         """An explicit --max-model-len must fit one full request in the KV pool; the default is capped to it."""

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from engine.config import GEMMA3, ModelConfig, check_context_limit, read_folder_quantization_config
 from engine.errors import EngineError
-from engine.layers.linear import Linear, RowParallelLinear, Weight, column_shard, row_shard
+from engine.layers.linear import Int8Rows, Linear, RowParallelLinear, Weight, column_shard, row_shard
 from engine.layers.rotary import cos_sin_cache
 from engine.models.fused_decode import fused_decode_unsupported, x16_rows_supported
 from engine.models.gemma3 import Gemma3Model, unit_offset_norm_weight
@@ -206,14 +206,32 @@ def read_config_dict(model_dir: Path) -> dict:
         raise EngineError(f"config.json in {model_dir} is not valid JSON: {exc}") from exc
 
 
+def _quantized_head(lm_head: torch.Tensor, quantization: str, backend: Backend, cfg: ModelConfig
+                    ) -> torch.Tensor | Int8Rows:
+    """The LM head as ``EngineArgs.lm_head_quantization`` asks: as loaded ("none") or as int8 rows ("int8"),
+    whose kernels need fp16/bf16 activations and K a multiple of 16 on the GPU."""
+    if quantization == "none":
+        return lm_head
+    if quantization != "int8":
+        raise EngineError(f"unknown lm_head quantization {quantization!r}; choose none or int8",
+                          param="lm_head_quantization")
+    if backend.use_triton and (lm_head.dtype not in (torch.float16, torch.bfloat16) or cfg.hidden_size % 16):
+        raise EngineError(f"--lm-head-quantization int8 needs float16 or bfloat16 activations and a hidden size "
+                          f"that is a multiple of 16 on the GPU (here {lm_head.dtype}, {cfg.hidden_size})",
+                          param="lm_head_quantization")
+    return Int8Rows.quantize(lm_head)
+
+
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backend: Backend,
                max_positions: int, log: Callable[[str], None] = lambda m: None, fuse_decode: bool = True,
-               tp: TPGroup | None = None, x16_rows: bool = False) -> LlamaModel:
+               tp: TPGroup | None = None, x16_rows: bool = False, lm_head_quantization: str = "none") -> LlamaModel:
     """Read config + weights into a LlamaModel on ``device`` in ``dtype`` (activations; int4 stays packed).
     ``fuse_decode``: one-sequence decode steps use the fused layer when the Triton kernels run and the model
     allows it (engine/models/fused_decode.py), with ``x16_rows`` its int4 rows in 16-bit fixed point where
     that pays (``x16_rows_supported``). ``tp``: load this rank's shard of a tensor-parallel group; the
-    model's config then holds the per-rank head counts and MLP width."""
+    model's config then holds the per-rank head counts and MLP width. ``lm_head_quantization`` "int8": the
+    head (this rank's vocabulary rows) is kept as ``Int8Rows`` (a tied embedding stays as loaded for the
+    lookups)."""
     raw = read_config_dict(model_dir)
     cfg = ModelConfig.from_dict(raw)
     check_context_limit(cfg, max_positions)
@@ -236,6 +254,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
         lm_head = embed
     else:
         lm_head = loader.vocab_rows("lm_head.weight", cfg.vocab_size, cfg.hidden_size)
+    lm_head = _quantized_head(lm_head, lm_head_quantization, backend, cfg)
     norm = _norm(loader, cfg, "model.norm", cfg.hidden_size)
     if cfg.architecture == GEMMA3:
         local_rope = cos_sin_cache(cfg.rotary_dim, max_positions, cfg.local_rope_theta, None, device)

@@ -117,7 +117,8 @@ class ModelRunner:
                 self.model = self._load_tensor_parallel(model_dir, max_model_len)
             else:
                 self.model = load_model(model_dir, device, dtype, self.backend, max_positions=max_model_len,
-                                        fuse_decode=args.fused_decode, x16_rows=args.x16_rows)
+                                        fuse_decode=args.fused_decode, x16_rows=args.x16_rows,
+                                        lm_head_quantization=args.lm_head_quantization)
             self.load_seconds = time.perf_counter() - started
             self._size_and_allocate(max_model_len)
         except torch.OutOfMemoryError as error:
@@ -163,7 +164,8 @@ class ModelRunner:
             torch.set_num_threads(max(1, self._threads_before // size))
         try:
             model = load_model(model_dir, self.device, self.dtype, self.backend, max_positions=max_model_len,
-                               fuse_decode=self.args.fused_decode, tp=group)
+                               fuse_decode=self.args.fused_decode, tp=group,
+                               lm_head_quantization=self.args.lm_head_quantization)
             self.workers.wait_ready()
         except BaseException:
             self._stop_workers()

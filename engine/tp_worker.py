@@ -112,7 +112,7 @@ def _load_shard(spec: WorkerSpec):
     group = TPGroup.create(join_store(spec.port, spec.world_size), spec.rank, spec.world_size, device)
     backend = Backend.for_device(device, force_reference=spec.args.force_reference_kernels)
     model = load_model(Path(spec.model_dir), device, spec.dtype, backend, max_positions=spec.max_model_len,
-                       fuse_decode=False, tp=group)
+                       fuse_decode=False, tp=group, lm_head_quantization=spec.args.lm_head_quantization)
     return model, device
 
 

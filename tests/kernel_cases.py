@@ -830,18 +830,21 @@ def test_dense_gemv_plans(fusion, split, block_n, block_k):
     check_dense_gemv("cpu", 320, 128 if "rope" in fusion else 64, fusion, plan=plan)
 
 
-@pytest.mark.parametrize("family,quant", [("llama", "fp16"), ("llama", "awq"), ("qwen3", "fp16")])
+@pytest.mark.parametrize("family,quant", [("llama", "fp16"), ("llama", "awq"), ("qwen3", "fp16"),
+                                         ("llama", "awq+int8-head")])
 def test_fused_decode_with_the_triton_kernels(tmp_path, family, quant):
     """The fused decode layer (engine/models/fused_decode.py) through the Triton kernels themselves, interpreted,
     against the unfused layer on the same kernels: the one-row GEMVs' wiring (rotary pairs and the cache slot,
     the residual stream and the prescaled norms, the final norm on the head's launch) in a tiny model, fp16
-    through the dense GEMV (Qwen3's q/k norms on whole-head tiles), AWQ through the int4 one."""
+    through the dense GEMV (Qwen3's q/k norms on whole-head tiles), AWQ through the int4 one; "awq+int8-head":
+    the head as int8 rows (the dense GEMV's int8 launch against the W8A16 matmul)."""
     from test_fused_decode import _compare
     from test_model_families import QWEN3_TINY, build_checkpoint, write_rtn_checkpoint
 
     from kernels.ops import Backend
 
     model_dir = build_checkpoint(tmp_path / family, family, **(QWEN3_TINY if family == "qwen3" else {}))
-    if quant == "awq":
+    if quant.startswith("awq"):
         model_dir = write_rtn_checkpoint(model_dir, tmp_path / f"{family}-awq", group_size=32)
-    _compare(model_dir, "cpu", torch.float16, Backend(use_triton=True), atol=2e-2, steps=2)
+    _compare(model_dir, "cpu", torch.float16, Backend(use_triton=True), atol=2e-2, steps=2,
+             lm_head_quantization="int8" if quant.endswith("int8-head") else "none")

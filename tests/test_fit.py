@@ -155,3 +155,17 @@ def test_estimate_matches_the_default_model_checkpoint(checkpoint_dir):
     (dtype,) = dtypes
     torch_dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[dtype]
     assert estimate_weight_bytes(mc, torch_dtype) == stored
+
+
+def test_the_int8_head_is_a_byte_a_weight_and_a_scale_a_row():
+    # --lm-head-quantization int8: an untied head goes from 2 bytes a weight to 1 (+ a 2-byte scale a row); a
+    # tied one adds those bytes, since the embedding stays for the lookups
+    awq_7b = config(LLAMA2_7B, quantization_config=AWQ)
+    head_fp16, head_int8 = 32000 * 4096 * 2, 32000 * (4096 + 2)
+    assert (estimate_weight_bytes(awq_7b, torch.float16) - estimate_weight_bytes(awq_7b, torch.float16, "int8")
+            == head_fp16 - head_int8)
+    smol = config(SMOLLM2_135M)
+    assert (estimate_weight_bytes(smol, torch.float16, "int8") - estimate_weight_bytes(smol, torch.float16)
+            == 49152 * (576 + 2))
+    assert (check_fit(awq_7b, torch.float16, 8 * GiB, lm_head_quantization="int8").weight_bytes
+            == estimate_weight_bytes(awq_7b, torch.float16, "int8"))

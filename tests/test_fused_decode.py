@@ -67,10 +67,11 @@ def _decode_logits(model, caches, token_ids, steps: int, fused: bool, device,
 
 
 def _compare(model_dir, device: str, dtype: torch.dtype, backend: Backend, atol: float, steps: int = 4,
-             x16: bool | None = None) -> None:
+             x16: bool | None = None, lm_head_quantization: str = "none") -> None:
     """The unfused decode against the fused one (``x16``: with its int4 rows in 16-bit fixed point or not;
     None: as loaded)."""
-    model = load_model(model_dir, torch.device(device), dtype, backend, max_positions=256)
+    model = load_model(model_dir, torch.device(device), dtype, backend, max_positions=256,
+                       lm_head_quantization=lm_head_quantization)
     caches = _caches(model, 5, device)
     prompt = torch.randint(5, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     unfused, caches_unfused = _decode_logits(model, caches, prompt, steps, False, device)
@@ -121,6 +122,13 @@ def test_fused_decode_runs_dense_fp16_models_on_cpu(default_model_dir):
                        max_positions=64)
     assert fused_decode_unsupported(model) is None
     _compare(default_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3)
+
+
+def test_fused_decode_reads_the_int8_head_on_cpu(awq_model_dir):
+    # --lm-head-quantization int8: the fused step's head launch reads the int8 rows and their scales (with the
+    # final norm), the unfused step the W8A16 matmul; both must give the same logits
+    _compare(awq_model_dir, "cpu", torch.float32, Backend(use_triton=False), atol=2e-3, steps=3,
+             lm_head_quantization="int8")
 
 
 def test_fused_decode_refuses_what_it_cannot_run(default_model_dir):

@@ -248,7 +248,7 @@ class ModelManager:
                       context or config.max_position_embeddings)
         report = check_fit(config, dtype, budget.bytes, max_len, args.block_size,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           kv_cache_bytes=budget.kv_cache_bytes)
+                           kv_cache_bytes=budget.kv_cache_bytes, lm_head_quantization=args.lm_head_quantization)
         if report.fits:
             return True, "✓ fits", report.message
         if args.max_model_len is None and report.suggested_max_model_len:

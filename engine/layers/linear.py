@@ -86,6 +86,52 @@ class PackedInt4:
                           torch.cat([p.zeros for p in parts], dim=1), parts[0].group_size, parts[0].perm)
 
 
+@dataclass
+class Int8Rows:
+    """An int8 weight with one scale per output row: W = qweight * scales[:, None] (the optional int8 LM head,
+    ``EngineArgs.lm_head_quantization``; llama.cpp's Q4 files keep theirs at Q6_K, the checkpoint's is fp16).
+
+    qweight: [N, K] int8 in the Linear's own [out, in] layout, codes in -127..127; scales: [N] activation dtype.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    CHUNK_ROWS = 8192  # rows quantized at a time: the float32 copy of an 8B head's 128,256 rows would be 2.1 GB
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Int8Rows:
+        """Symmetric round-to-nearest per row, scale = max |w| / 127 rounded to the weight's dtype (the kernels
+        multiply by the stored scale). ``weight`` [N, K] may be the tied embedding: it is read, not changed."""
+        qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for start in range(0, weight.shape[0], Int8Rows.CHUNK_ROWS):
+            rows = weight[start:start + Int8Rows.CHUNK_ROWS].float()  # [chunk, K]
+            scale = (rows.abs().amax(dim=1) / 127).to(weight.dtype)
+            scales[start:start + rows.shape[0]] = scale
+            safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+            qweight[start:start + rows.shape[0]] = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        return Int8Rows(qweight, scales)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] in the scales' dtype."""
+        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+
+
+def head_logits(backend: Backend, hidden: torch.Tensor, head: torch.Tensor | Int8Rows) -> torch.Tensor:
+    """hidden [rows, K] @ head^T -> [rows, N] in hidden's dtype: the LM head dense or as int8 rows."""
+    if isinstance(head, Int8Rows):
+        return backend.w8a16_matmul(hidden, head.qweight, head.scales)
+    return torch.nn.functional.linear(hidden, head)
+
+
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is None and b is None

@@ -6,7 +6,7 @@ attention, o, norm, gate/up, SiLU, down); here the one-row GEMV (kernels/triton/
 weights, kernels/triton/dense_gemv.py for fp16 ones) takes its neighbours: the RMSNorm in its prologue, rotary
 + the KV-cache write, the residual add or SiLU x up in its epilogue. What is left per layer: qkv, attention, o,
 gate/up, down; after the last layer the final norm rides on the LM head's launch (the dense GEMV, whatever the
-layers' format).
+layers' format, over fp16 rows or the optional int8 ones).
 
 The residual stream is one [1, hidden] tensor that the o and down launches add into in place; they also write
 the new residual times the next RMSNorm's weight, which the next GEMV's dot reads instead of forming it in its
@@ -22,7 +22,7 @@ import torch
 
 from engine.config import GEMMA3
 from engine.forward_batch import ForwardBatch
-from engine.layers.linear import Linear, PackedInt4
+from engine.layers.linear import Int8Rows, Linear, PackedInt4
 from kernels.reference import X16_PLANES
 from kernels.triton.dense_gemv import dense_weight_unsupported
 from kernels.triton.w4a16_gemv import gemv_large_matrix
@@ -45,7 +45,7 @@ def fused_decode_unsupported(model) -> str | None:
         return f"head_dim {cfg.head_dim} is not a power of two"
     if cfg.rotary_dim != cfg.head_dim:
         return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
-    head = dense_weight_unsupported(model.lm_head)
+    head = dense_weight_unsupported(*_head_weight(model.lm_head))
     if head is not None:
         return f"lm_head: {head}"
     for layer in model.layers:
@@ -128,8 +128,17 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
         _gemv(model, layer.down_proj, act, residual=residual,
               next_norm=(model.norm if last else layers[index + 1].input_layernorm, normed),
               **_reads(rows, "act", True), **_writes(rows, "normed", not last))
-    logits = model.backend.dense_gemv(residual, model.lm_head, norm_weight=model.norm, eps=eps, normed=normed)
+    weight, row_scales = _head_weight(model.lm_head)
+    logits = model.backend.dense_gemv(residual, weight, norm_weight=model.norm, eps=eps, normed=normed,
+                                      **({} if row_scales is None else {"row_scales": row_scales}))
     return logits.float()  # [1, vocab]
+
+
+def _head_weight(head: torch.Tensor | Int8Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # the LM head as the dense GEMV reads it: (fp16 weight, None) or (int8 codes, their row scales)
+    if isinstance(head, Int8Rows):
+        return head.qweight, head.scales
+    return head, None
 
 
 def _x16_rows(model, device: torch.device) -> dict:

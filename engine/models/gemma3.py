@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.layers.linear import head_logits
 from engine.models.llama import DecoderLayer, LlamaModel
 from kernels.ops import Backend
 
@@ -95,5 +96,5 @@ class Gemma3Model(LlamaModel):
         for index, layer in enumerate(self.layers):
             hidden = self.layer_forward(index, layer, hidden, batch)
         selected = self.rms_norm(hidden[batch.logits_indices], self.norm)  # [num_sampled, hidden]
-        logits = torch.nn.functional.linear(selected, self.lm_head)  # [num_sampled, vocab]
+        logits = head_logits(self.backend, selected, self.lm_head)  # [num_sampled, vocab]
         return soft_cap(logits, self.config.final_logit_softcapping).float()

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.layers.linear import Linear
+from engine.layers.linear import Int8Rows, Linear, head_logits
 from engine.models.fused_decode import decode_one_row
 from engine.parallel import TPGroup
 from kernels.ops import Backend
@@ -54,7 +54,7 @@ class LlamaModel:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[DecoderLayer]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
+    lm_head: torch.Tensor | Int8Rows  # [vocab, hidden] (the embedding itself when tied), or its int8 rows
     cos_sin_cache: torch.Tensor  # [max_positions, rotary_dim] float32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     fuse_one_row_decode: bool = False  # one-sequence decode steps run engine/models/fused_decode.py
@@ -147,14 +147,14 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [num_sampled, vocab] float32 of the rows ``hidden`` [num_sampled, hidden]; under tensor
         parallelism the ranks' vocabulary slices are gathered (padding columns of the last slice dropped)."""
-        logits = torch.nn.functional.linear(hidden, self.lm_head)  # [num_sampled, vocab or vocab slice]
+        logits = head_logits(self.backend, hidden, self.lm_head)  # [num_sampled, vocab or vocab slice]
         if self.tp is not None:
             logits = self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
         return logits.float()
 
     def weight_bytes(self) -> int:
         tensors = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
-        total = sum(t.numel() * t.element_size() for t in tensors)
+        total = sum(t.nbytes() if isinstance(t, Int8Rows) else t.numel() * t.element_size() for t in tensors)
         for layer in self.layers:
             total += sum(t.numel() * t.element_size() for t in layer.norms())
             total += sum(lin.nbytes() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
