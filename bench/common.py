@@ -186,6 +186,8 @@ def add_common_args(parser: argparse.ArgumentParser, bench: str) -> None:
     engine.add_argument("--x16-rows", action=argparse.BooleanOptionalAction, default=None,
                         help="the fused layer's int4 GEMVs on the integer dot over x16 rows (the engine's default), "
                              "or with --no-x16-rows on the half2 dot over fp16 rows (for comparison)")
+    engine.add_argument("--lm-head-quantization", default=None, choices=["none", "int8"],
+                        help="int8: the LM head as int8 rows (the engine's default: none, the checkpoint's)")
     engine.add_argument("--gpu-memory-limit", default=None, help="absolute GPU budget, e.g. 24GiB")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
@@ -196,7 +198,8 @@ def add_common_args(parser: argparse.ArgumentParser, bench: str) -> None:
 
 
 ENGINE_FLAGS = ("enforce_eager", "gpu_memory_limit", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "kv_cache_memory", "block_size", "tensor_parallel_size")
+                "max_num_batched_tokens", "kv_cache_memory", "block_size", "tensor_parallel_size",
+                "lm_head_quantization")
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:

@@ -360,6 +360,24 @@ def dense_plan_variants(n: int, k: int, sms: int):
                 yield plan
 
 
+def int8_head_row(x: torch.Tensor, weights: list[torch.Tensor], copy_bw: float) -> dict:
+    """The same head as int8 rows (--lm-head-quantization int8): the dense GEMV's int8 launch at one row, and the
+    W8A16 matmul against cuBLAS's fp16 one at the batched decode's 32 and 128 rows."""
+    from engine.layers.linear import Int8Rows
+    from kernels.triton.w8a16 import w8a16_matmul
+
+    heads = [Int8Rows.quantize(w) for w in weights]
+    n, k = weights[0].shape
+    us = bench_graph([partial(dense_gemv, x, h.qweight, row_scales=h.scales) for h in heads]) * 1e3
+    row = {"int8_us": round(us, 2), "int8_x_copy_bw": round((n * k + 2 * n + 2 * k) / (us * 1e-6) / 1e9 / copy_bw, 3)}
+    for m in (32, 128):
+        xm = torch.randn(m, k, dtype=torch.float16, device=DEV)
+        int8 = bench_graph([partial(w8a16_matmul, xm, h.qweight, h.scales) for h in heads]) * 1e3
+        fp16 = bench_graph([partial(torch.nn.functional.linear, xm, w) for w in weights]) * 1e3
+        row[f"int8_m{m}_us"], row[f"cublas_m{m}_us"] = round(int8, 2), round(fp16, 2)
+    return row
+
+
 def bench_dense(args, copy_bw: float, sms: int) -> None:
     """The dense GEMV plain (STORE) against cuBLAS's F.linear, each over weights rotating past the L2; with
     ``--sweep``, its plan variants too."""
@@ -383,6 +401,8 @@ def bench_dense(args, copy_bw: float, sms: int) -> None:
         if uncapped != rule:  # the rule before its one-wave register cap
             row["uncapped_rule_us"] = round(bench_graph([partial(dense_gemv, x, w, plan=uncapped)
                                                          for w in weights]) * 1e3, 2)
+        if "head" in label:
+            row.update(int8_head_row(x, weights, copy_bw))
         if args.sweep:
             timed = sorted((bench_graph([partial(dense_gemv, x, w, plan=plan) for w in weights]) * 1e3, str(plan))
                            for plan in dense_plan_variants(n, k, sms))

@@ -113,8 +113,9 @@ def model_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def weight_bytes_per_step(cfg: dict, dense_bytes: int) -> int:
-    """Bytes of weights one decode step reads, in the checkpoint's format (see the module docstring)."""
+def weight_bytes_per_step(cfg: dict, dense_bytes: int, int8_head: bool = False) -> int:
+    """Bytes of weights one decode step reads, in the checkpoint's format (see the module docstring); with
+    ``int8_head`` (--lm-head-quantization int8) the head's as int8 rows with a scale each."""
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -129,7 +130,8 @@ def weight_bytes_per_step(cfg: dict, dense_bytes: int) -> int:
         else:
             per_layer += k * n * dense_bytes
     per_layer += 2 * h * dense_bytes  # the two RMSNorm weights
-    head = cfg["vocab_size"] * h * dense_bytes + h * dense_bytes  # LM head (tied or not) + final norm
+    head_row = h + dense_bytes if int8_head else h * dense_bytes  # a vocabulary row of the head (+ its scale)
+    head = cfg["vocab_size"] * head_row + h * dense_bytes  # LM head (tied or not) + final norm
     return layers * per_layer + head + h * dense_bytes  # + the embedding row of the input token
 
 
@@ -192,7 +194,8 @@ def llamacpp_peer(args, name: str) -> tuple[str, float | None]:
 
 
 def decode_label(args, shape: str, model: DecodeModel) -> str:
-    return f"{shape} {model.quant_label} batch 1 (prompt {args.prompt_len}, {args.output_len} tokens)"
+    head = ", int8 head" if getattr(args, "lm_head_quantization", None) == "int8" else ""
+    return f"{shape} {model.quant_label}{head} batch 1 (prompt {args.prompt_len}, {args.output_len} tokens)"
 
 
 def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, name: str, copy_bw: float) -> float:
@@ -202,7 +205,7 @@ def bench_decode(run: BenchRun, llm, model_dir: Path, shape: str, name: str, cop
     dense = 2 if args.device != "cpu" else 4
     timing = decode_timing(llm, args, cfg["vocab_size"], random.Random(args.seed))
     mean_context = args.prompt_len + args.output_len / 2
-    weights = weight_bytes_per_step(cfg, dense)
+    weights = weight_bytes_per_step(cfg, dense, getattr(args, "lm_head_quantization", None) == "int8")
     step_bytes = weights + kv_bytes_per_token(cfg, dense) * mean_context
     fraction = step_bytes / timing.step_s / 1e9 / copy_bw
     model = MODELS[name]

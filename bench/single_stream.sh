@@ -22,6 +22,8 @@
 #             decoding against transformers (graphs and eager)
 #   latency   bench/latency.py: batch-1 decode of $MODELS (default SmolLM2, 7B AWQ, 7B fp16, 8B AWQ) and the 7B
 #             streamed through app.py serve; llama.cpp's figures from this machine's peer step (else recorded)
+#   head8     bench/latency.py on the 7B and 8B AWQ with --lm-head-quantization int8 (the LM head as int8 rows):
+#             $OUT/latency_int8_head.json, against the latency step's figures of the same run
 #   half2     bench/latency.py on the 7B and 8B AWQ with --no-x16-rows (the half2 dot over fp16 rows, the engine's
 #             default before session 22), the A/B of EngineArgs.x16_rows against the latency step's figures of the
 #             same run: $OUT/latency_half2.json
@@ -83,7 +85,7 @@ for step in "${steps[@]}"; do
     tests)
       say "GPU tests: GEMVs against the reference, the fused layer, greedy against transformers"
       timeout 280 $PY -m pytest -q -m gpu tests/test_kernels.py tests/test_fused_decode.py tests/test_gpu_engine.py \
-        -k "gemv or fused or greedy or decode_attention" 2>&1 | tail -n 6 | tee -a "$LOG" ;;
+        -k "gemv or fused or greedy or decode_attention or w8a16" 2>&1 | tail -n 6 | tee -a "$LOG" ;;
     latency)
       lcpp=()
       [ -s $LCPP/llamacpp.txt ] && lcpp=(--llamacpp "$LCPP/llamacpp.txt") && cp $LCPP/llamacpp.txt "$OUT_DIR/"
@@ -97,6 +99,11 @@ for step in "${steps[@]}"; do
       timeout 300 $PY bench/latency.py --models llama2-7b,llama3-8b --models-dir "$MODELS_DIR" --only decode \
         --output-len 256 --repeats 3 --no-x16-rows --out "$OUT_DIR/latency_half2.json" "${LATENCY[@]}" 2>&1 \
         | grep -E "decode|roofline|targets|FAILED" | tee -a "$LOG" ;;
+    head8)
+      say "the 7B and 8B AWQ batch-1 decode with --lm-head-quantization int8 (the A/B of the latency step's figures)"
+      timeout 300 $PY bench/latency.py --models llama2-7b,llama3-8b --models-dir "$MODELS_DIR" --only decode \
+        --output-len 256 --repeats 3 --lm-head-quantization int8 --out "$OUT_DIR/latency_int8_head.json" \
+        "${LATENCY[@]}" 2>&1 | grep -E "decode|roofline|targets|FAILED" | tee -a "$LOG" ;;
     grids)
       say "the fused layer's int4 launches at other grids; this card's fastest into \$OUT/w4a16_gemv.json"
       cp kernels/triton/tuned/w4a16_gemv.json "$OUT_DIR/w4a16_gemv.json"  # the timed shapes' entries are replaced

@@ -200,6 +200,23 @@ def test_dense_gemv_launches_compile_without_spills(name, k, n, epilogue, norm, 
         assert not any("BAR.SYNC" in op for op in loop), f"{name}: a barrier in the K loop ({plan})"
 
 
+@pytest.mark.parametrize(("name", "k", "n"), [("8b-int8-head", 4096, 128256), ("qwen2.5-7b-int8-head", 3584, 152064),
+                                             ("smollm2-int8-head", 576, 49152)])
+def test_int8_head_launch_compiles_without_spills(name, k, n):
+    """The int8 LM head as the fused decode step launches it (final norm, prescaled x) compiles without spills,
+    and its K loop takes at most 6 SASS instructions a weight: at the H100's bandwidth an SM must take ~13 int8
+    weights a cycle, ~0.6 of its issue rate at 6 (5.8 at session 32's compile)."""
+    plan = dense_gemv_plan(n, k, 132, norm=True, element_size=1)
+    args = dense_gemv_args(k, n, plan, epilogue=STORE, norm=True, prescaled=True, int8=True)
+    compiled = compile_source(_dense_gemv_kernel, args, plan.num_warps, maxnreg=plan.max_registers)
+    usage = resource_usage(compiled.asm["cubin"])
+    assert usage.spilled_bytes == 0, f"{name} {plan}: {usage.registers} registers, {usage.spilled_bytes} B spilled"
+    loop = main_loop(disassemble(compiled.asm["cubin"]))
+    weights = plan.block_n * plan.block_k // (32 * plan.num_warps)
+    assert len(loop) / weights <= 6, f"{name}: {len(loop)} instructions for {weights} weights a thread ({plan})"
+    assert any("LDG.E.EF.128" in op for op in loop), f"{name}: the int8 rows are not loaded 16 bytes at a time"
+
+
 PLANES_VARIANTS = [  # (activation dtype, columns per program, split-K summed in the launch, act-order)
     (torch.float16, 128, True, False),
     (torch.float16, 64, True, True),

@@ -302,6 +302,26 @@ def test_gpu_dense_gemv_rope_and_cache(k, n, head_dim, fusion, bias):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("k,n", [(4096, 128256), (3584, 152064), (4096, 32000), (576, 49152)])
+@pytest.mark.parametrize("fusion", ["plain", "prescaled-norm"])
+def test_gpu_dense_gemv_int8_heads(k, n, fusion):
+    # --lm-head-quantization int8 at the catalog's heads (Llama-3-8B, Qwen2.5-7B, Llama-2-7B, SmolLM2), with the
+    # final norm as the fused decode step launches it
+    _cases().check_dense_gemv("cuda", k, n, fusion, int8=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 64, 128, 256, 1000])
+@pytest.mark.parametrize("k,n", [(4096, 128256), (576, 49152)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_w8a16_matmul(m, k, n, dtype):
+    # the int8 head's sampled rows outside the one-row step: batched decode up to 256 sequences, prompt logprobs
+    _cases().check_w8a16_matmul("cuda", m, k, n, dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("window", [1, 100, 4096])
 def test_gpu_attention_sliding_window(window):
     # Mistral's 4,096-token window (and small ones) on contexts shorter and longer than it, split-KV decode included
