@@ -9,8 +9,9 @@ allocates, not what the checkpoint file weighs:
   ``K * N * bits / 8`` packed bytes + ``scales`` and ``zeros`` ``[K // G, N]`` in the activation dtype
   + an int64 act-order permutation of ``K`` rows when ``desc_act``, one per merged input (q/k/v share one,
   gate/up share one, as the loader concatenates them). Embeddings, lm_head, norms and biases stay in the
-  activation dtype, but for ``--lm-head-quantization int8``: the head is then int8 rows with a scale each
-  (a tied embedding is kept too, for the lookups).
+  activation dtype, but for ``--lm-head-quantization int8``, where the head is int8 rows with a scale each (a
+  tied embedding is kept too, for the lookups), and for a GPTQ checkpoint with ``lm_head: true``, whose head is
+  packed like its layers.
 - KV cache: ``2 * layers * kv_heads * head_dim * element size`` bytes per token, allocated in whole blocks
   of ``block_size`` tokens: ``num_blocks = kv_budget // bytes_per_block`` (rounded down, as the engine does).
 - activations: what the engine's profile of one forward at the token budget will measure (see
@@ -54,6 +55,7 @@ class QuantSpec:
     group_size: int  # -1: one group spanning all input rows
     desc_act: bool
     fmt: str | None  # AWQ "version" (gemm/gemv...) or GPTQ "checkpoint_format" (gptq/gptq_v2/marlin...)
+    quantized_head: bool = False  # GPTQModel's lm_head: true (the head packed as the layers are)
 
     @staticmethod
     def from_config(qc: dict | None) -> QuantSpec | None:
@@ -68,7 +70,8 @@ class QuantSpec:
         else:
             fmt = qc.get("checkpoint_format") or qc.get("format")
             fmt = str(fmt).lower() if fmt else None
-        return QuantSpec(method, bits, group, bool(qc.get("desc_act", False)), fmt)
+        return QuantSpec(method, bits, group, bool(qc.get("desc_act", False)), fmt,
+                         method == "gptq" and bool(qc.get("lm_head", False)))
 
     def describe(self) -> str:
         group = "per-channel" if self.group_size <= 0 else f"group {self.group_size}"
@@ -123,7 +126,10 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: torch.dtype | str, l
     act = dtype_bytes(_resolve(mc, dtype))
     quant = QuantSpec.from_config(mc.quantization_config)
     embed = mc.vocab_size * mc.hidden_size * act
-    if lm_head_quantization == "int8":  # int8 rows and a scale each
+    if quant is not None and quant.quantized_head:  # packed in the checkpoint, apart from a tied embedding
+        lm_head = linear_bytes(mc.hidden_size, mc.vocab_size, act, quant, False)
+        lm_head += 8 * mc.hidden_size if quant.desc_act else 0  # its act-order permutation
+    elif lm_head_quantization == "int8":  # int8 rows and a scale each
         lm_head = mc.vocab_size * (mc.hidden_size + act)
     else:
         lm_head = 0 if mc.tie_word_embeddings else embed

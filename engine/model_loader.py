@@ -134,6 +134,18 @@ class WeightLoader:
         bias = self._biases([prefix], [out_f])[0] if with_bias else None
         return RowParallelLinear(Linear([weight], None, self.backend), bias, self.tp)
 
+    def quantized_head(self) -> bool:
+        """Whether the checkpoint packs its LM head too (GPTQModel's ``lm_head: true``)."""
+        return self.quant is not None and self.quant.is_quantized("lm_head")
+
+    def packed_head(self, vocab_size: int, hidden: int) -> Linear:
+        """A packed LM head [hidden -> vocab] as a Linear (the W4A16 kernels, or its dense CPU copy). Not split
+        over tensor-parallel ranks: their heads are vocabulary slices of a dense matrix."""
+        if self.shard is not None:
+            raise EngineError("this checkpoint's lm_head is quantized (GPTQ lm_head: true), which is not split "
+                              "across ranks; use --tensor-parallel-size 1", param="tensor_parallel_size")
+        return Linear([self.weight("lm_head", vocab_size, hidden)], None, self.backend)
+
     def vocab_rows(self, name: str, vocab_size: int, hidden: int) -> torch.Tensor:
         """The embedding or head [vocab, hidden]; under tensor parallelism this rank's contiguous vocabulary
         slice, zero-padded to the common width (TPShard.vocab_slice)."""
@@ -206,8 +218,8 @@ def read_config_dict(model_dir: Path) -> dict:
         raise EngineError(f"config.json in {model_dir} is not valid JSON: {exc}") from exc
 
 
-def _quantized_head(lm_head: torch.Tensor, quantization: str, backend: Backend, cfg: ModelConfig
-                    ) -> torch.Tensor | Int8Rows:
+def _quantized_head(lm_head: torch.Tensor | Linear, quantization: str, backend: Backend, cfg: ModelConfig
+                    ) -> torch.Tensor | Int8Rows | Linear:
     """The LM head as ``EngineArgs.lm_head_quantization`` asks: as loaded ("none") or as int8 rows ("int8"),
     whose kernels need fp16/bf16 activations and K a multiple of 16 on the GPU."""
     if quantization == "none":
@@ -215,6 +227,9 @@ def _quantized_head(lm_head: torch.Tensor, quantization: str, backend: Backend, 
     if quantization != "int8":
         raise EngineError(f"unknown lm_head quantization {quantization!r}; choose none or int8",
                           param="lm_head_quantization")
+    if isinstance(lm_head, Linear):
+        raise EngineError("--lm-head-quantization int8: this checkpoint's lm_head is already packed int4 "
+                          "(GPTQ lm_head: true); use --lm-head-quantization none", param="lm_head_quantization")
     if backend.use_triton and (lm_head.dtype not in (torch.float16, torch.bfloat16) or cfg.hidden_size % 16):
         raise EngineError(f"--lm-head-quantization int8 needs float16 or bfloat16 activations and a hidden size "
                           f"that is a multiple of 16 on the GPU (here {lm_head.dtype}, {cfg.hidden_size})",
@@ -250,7 +265,9 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, backen
     for i in range(cfg.num_layers):
         layers.append(_load_layer(loader, cfg, i))
         log(f"loaded layer {i + 1}/{cfg.num_layers}")
-    if cfg.tie_word_embeddings:
+    if loader.quantized_head():  # packed in the checkpoint (then stored apart from a tied embedding)
+        lm_head = loader.packed_head(cfg.vocab_size, cfg.hidden_size)
+    elif cfg.tie_word_embeddings:
         lm_head = embed
     else:
         lm_head = loader.vocab_rows("lm_head.weight", cfg.vocab_size, cfg.hidden_size)

@@ -831,13 +831,14 @@ def test_dense_gemv_plans(fusion, split, block_n, block_k):
 
 
 @pytest.mark.parametrize("family,quant", [("llama", "fp16"), ("llama", "awq"), ("qwen3", "fp16"),
-                                         ("llama", "awq+int8-head")])
+                                         ("llama", "awq+int8-head"), ("llama", "gptq+packed-head")])
 def test_fused_decode_with_the_triton_kernels(tmp_path, family, quant):
     """The fused decode layer (engine/models/fused_decode.py) through the Triton kernels themselves, interpreted,
     against the unfused layer on the same kernels: the one-row GEMVs' wiring (rotary pairs and the cache slot,
     the residual stream and the prescaled norms, the final norm on the head's launch) in a tiny model, fp16
     through the dense GEMV (Qwen3's q/k norms on whole-head tiles), AWQ through the int4 one; "awq+int8-head":
-    the head as int8 rows (the dense GEMV's int8 launch against the W8A16 matmul)."""
+    the head as int8 rows (the dense GEMV's int8 launch against the W8A16 matmul); "gptq+packed-head": a GPTQ
+    checkpoint whose head is packed int4 (the int4 GEMV with the final norm against the W4A16 matmul)."""
     from test_fused_decode import _compare
     from test_model_families import QWEN3_TINY, build_checkpoint, write_rtn_checkpoint
 
@@ -846,5 +847,8 @@ def test_fused_decode_with_the_triton_kernels(tmp_path, family, quant):
     model_dir = build_checkpoint(tmp_path / family, family, **(QWEN3_TINY if family == "qwen3" else {}))
     if quant.startswith("awq"):
         model_dir = write_rtn_checkpoint(model_dir, tmp_path / f"{family}-awq", group_size=32)
+    elif quant == "gptq+packed-head":  # GPTQModel's lm_head=True: the head through the int4 GEMV, norm fused
+        model_dir = write_rtn_checkpoint(model_dir, tmp_path / f"{family}-gptq", group_size=32, method="gptq",
+                                         quantize_head=True)
     _compare(model_dir, "cpu", torch.float16, Backend(use_triton=True), atol=2e-2, steps=2,
              lm_head_quantization="int8" if quant.endswith("int8-head") else "none")

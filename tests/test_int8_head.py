@@ -82,3 +82,34 @@ def test_a_model_serves_with_the_int8_head(default_model_dir):
     assert isinstance(llm.engine.runner.model.lm_head, Int8Rows)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text.strip()
+
+
+def test_a_gptq_checkpoint_with_a_packed_head_loads_and_decodes(tmp_path):
+    # GPTQModel's lm_head=True (vLLM loads these): the head is a packed int4 Linear, the fit check counts it, the
+    # fused step's head launch (the int4 GEMV with the final norm) agrees with the unfused step's W4A16 matmul, and
+    # --lm-head-quantization int8 is refused on it by name
+    from test_fused_decode import _compare
+    from test_model_families import build_checkpoint, write_rtn_checkpoint
+
+    from engine.config import ModelConfig
+    from engine.fit import estimate_weight_bytes
+    from engine.layers.linear import Linear, PackedInt4
+    from engine.model_loader import read_config_dict
+
+    dense = build_checkpoint(tmp_path / "llama", "llama")
+    gptq = write_rtn_checkpoint(dense, tmp_path / "gptq", group_size=32, method="gptq", quantize_head=True)
+    backend = Backend(use_triton=False)
+    model = load_model(gptq, torch.device("cpu"), torch.float16, backend, max_positions=64)
+    assert isinstance(model.lm_head, Linear) and isinstance(model.lm_head.parts[0], PackedInt4)
+    config = ModelConfig.from_dict(read_config_dict(gptq))
+    assert model.weight_bytes() == estimate_weight_bytes(config, torch.float16)
+    reference = load_model(dense, torch.device("cpu"), torch.float32, backend, max_positions=64)
+    hidden = torch.randn(3, config.hidden_size)
+    packed = model.lm_head.parts[0]
+    want = reference.lm_head @ hidden.t()  # the head's own rounding error is bounded by its group's step
+    got = torch.nn.functional.linear(hidden.half(), model.lm_head._dense_for_cpu(0, packed, torch.float16)).float()
+    assert ((got - want.t()).norm() / want.norm()).item() < 0.2
+    _compare(gptq, "cpu", torch.float32, backend, atol=2e-3, steps=3)
+    with pytest.raises(EngineError, match="already packed int4") as error:
+        load_model(gptq, torch.device("cpu"), torch.float32, backend, max_positions=64, lm_head_quantization="int8")
+    assert error.value.param == "lm_head_quantization"

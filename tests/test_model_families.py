@@ -403,9 +403,11 @@ def test_unsupported_rope_is_refused_before_the_weights_load(checkpoint, tmp_pat
 # ---- AWQ builds --------------------------------------------------------------------------------------------
 
 
-def write_rtn_checkpoint(src: Path, out: Path, group_size: int, method: str = "awq") -> Path:
+def write_rtn_checkpoint(src: Path, out: Path, group_size: int, method: str = "awq",
+                         quantize_head: bool = False) -> Path:
     """An AutoAWQ-GEMM or AutoGPTQ (v1) checkpoint of ``src`` by plain rounding, every decoder linear as stored
-    in ``src`` (Phi-3's fused qkv_proj and gate_up_proj as one matrix each, as AutoAWQ and GPTQModel pack them)."""
+    in ``src`` (Phi-3's fused qkv_proj and gate_up_proj as one matrix each, as AutoAWQ and GPTQModel pack them);
+    ``quantize_head`` (GPTQ): lm_head packed too, as GPTQModel's ``lm_head=True`` writes it."""
     from safetensors.torch import load_file, save_file
 
     from engine.quant.awq import AWQMethod, awq_tensors
@@ -416,7 +418,8 @@ def write_rtn_checkpoint(src: Path, out: Path, group_size: int, method: str = "a
     tensors = {}
     for name, value in load_file(str(src / "model.safetensors")).items():
         prefix = name.removesuffix(".weight")
-        if not (name.startswith("model.layers.") and prefix.endswith("_proj")):
+        packed_head = quantize_head and name == "lm_head.weight"
+        if not (name.startswith("model.layers.") and prefix.endswith("_proj")) and not packed_head:
             tensors[name] = value.half()
             continue
         if method == "awq":
@@ -426,7 +429,8 @@ def write_rtn_checkpoint(src: Path, out: Path, group_size: int, method: str = "a
             packed = gptq_tensors(codes, scales, zeros, torch.arange(value.shape[1]) // group_size)
         tensors.update({f"{prefix}.{key}": tensor for key, tensor in packed.items()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    quant = AWQMethod(4, group_size) if method == "awq" else GPTQMethod(4, group_size, sym=False)
+    quant = (AWQMethod(4, group_size) if method == "awq"
+             else GPTQMethod(4, group_size, sym=False, quantized_head=quantize_head))
     config = json.loads((src / "config.json").read_text())
     config.update(quantization_config=quant.config_dict(), dtype="float16")
     (out / "config.json").write_text(json.dumps(config))

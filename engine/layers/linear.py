@@ -125,13 +125,6 @@ class Int8Rows:
         return self.qweight.to(self.scales.dtype) * self.scales[:, None]
 
 
-def head_logits(backend: Backend, hidden: torch.Tensor, head: torch.Tensor | Int8Rows) -> torch.Tensor:
-    """hidden [rows, K] @ head^T -> [rows, N] in hidden's dtype: the LM head dense or as int8 rows."""
-    if isinstance(head, Int8Rows):
-        return backend.w8a16_matmul(hidden, head.qweight, head.scales)
-    return torch.nn.functional.linear(hidden, head)
-
-
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -232,3 +225,13 @@ class RowParallelLinear:
         # x: [num_tokens, in_features / world] -> [num_tokens, out_features]
         y = self.group.all_reduce(self.local(x))
         return y if self.bias is None else y + self.bias
+
+
+def head_logits(backend: Backend, hidden: torch.Tensor, head: torch.Tensor | Int8Rows | Linear) -> torch.Tensor:
+    """hidden [rows, K] @ head^T -> [rows, N] in hidden's dtype: the LM head dense, as int8 rows, or packed int4
+    (a ``Linear``: a GPTQ checkpoint with ``lm_head: true``)."""
+    if isinstance(head, Int8Rows):
+        return backend.w8a16_matmul(hidden, head.qweight, head.scales)
+    if isinstance(head, Linear):
+        return head(hidden)
+    return torch.nn.functional.linear(hidden, head)

@@ -45,7 +45,8 @@ def fused_decode_unsupported(model) -> str | None:
         return f"head_dim {cfg.head_dim} is not a power of two"
     if cfg.rotary_dim != cfg.head_dim:
         return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims) is not in the fused qkv epilogue"
-    head = dense_weight_unsupported(*_head_weight(model.lm_head))
+    head = (_linear_unsupported(model.lm_head) if isinstance(model.lm_head, Linear)
+            else dense_weight_unsupported(*_head_weight(model.lm_head)))
     if head is not None:
         return f"lm_head: {head}"
     for layer in model.layers:
@@ -128,6 +129,8 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
         _gemv(model, layer.down_proj, act, residual=residual,
               next_norm=(model.norm if last else layers[index + 1].input_layernorm, normed),
               **_reads(rows, "act", True), **_writes(rows, "normed", not last))
+    if isinstance(model.lm_head, Linear):  # packed int4 (GPTQ lm_head: true): the int4 GEMV, the norm fused alike
+        return _gemv(model, model.lm_head, residual, norm_weight=model.norm, eps=eps, normed=normed).float()
     weight, row_scales = _head_weight(model.lm_head)
     logits = model.backend.dense_gemv(residual, weight, norm_weight=model.norm, eps=eps, normed=normed,
                                       **({} if row_scales is None else {"row_scales": row_scales}))

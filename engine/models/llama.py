@@ -54,7 +54,8 @@ class LlamaModel:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[DecoderLayer]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor | Int8Rows  # [vocab, hidden] (the embedding itself when tied), or its int8 rows
+    lm_head: torch.Tensor | Int8Rows | Linear  # [vocab, hidden] (the embedding itself when tied), its int8 rows,
+    # or packed int4 (a GPTQ checkpoint's lm_head: true)
     cos_sin_cache: torch.Tensor  # [max_positions, rotary_dim] float32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     fuse_one_row_decode: bool = False  # one-sequence decode steps run engine/models/fused_decode.py
@@ -154,7 +155,8 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         tensors = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
-        total = sum(t.nbytes() if isinstance(t, Int8Rows) else t.numel() * t.element_size() for t in tensors)
+        total = sum(t.nbytes() if isinstance(t, (Int8Rows, Linear)) else t.numel() * t.element_size()
+                    for t in tensors)
         for layer in self.layers:
             total += sum(t.numel() * t.element_size() for t in layer.norms())
             total += sum(lin.nbytes() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))

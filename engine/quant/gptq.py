@@ -85,8 +85,9 @@ class GPTQMethod(QuantMethod):
 
     def __init__(self, bits: int, group_size: int, checkpoint_format: str = "gptq", desc_act: bool = False,
                  sym: bool = True, skip_patterns: list[str] | None = None, group_overrides=None,
-                 extra: dict | None = None):
+                 extra: dict | None = None, quantized_head: bool = False):
         super().__init__(bits, group_size)
+        self.quantized_head = quantized_head  # GPTQModel's lm_head=True: the head is packed too (vLLM loads it)
         self.checkpoint_format = checkpoint_format
         self.desc_act = desc_act
         self.sym = sym
@@ -109,21 +110,21 @@ class GPTQMethod(QuantMethod):
         if pack_dtype != "int32":
             raise EngineError(f"unsupported GPTQ quantization_config.pack_dtype {pack_dtype!r}: only int32",
                               param="pack_dtype")
-        if config_value(qcfg, "lm_head", default=False):
-            raise EngineError("unsupported GPTQ quantization_config.lm_head true: Pagoda keeps lm_head dense",
-                              param="lm_head")
         group_size = require_group_size(qcfg)
         skip, overrides = _parse_dynamic(config_value(qcfg, "dynamic", default={}) or {}, bits)
         extra = {k: qcfg[k] for k in ("true_sequential", "damp_percent", "static_groups") if k in qcfg}
         return cls(bits, group_size, fmt, bool(config_value(qcfg, "desc_act", default=False)),
-                   bool(config_value(qcfg, "sym", default=True)), skip, overrides, extra)
+                   bool(config_value(qcfg, "sym", default=True)), skip, overrides, extra,
+                   bool(config_value(qcfg, "lm_head", default=False)))
 
     def config_dict(self) -> dict[str, Any]:
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
                 "desc_act": self.desc_act, "sym": self.sym, "checkpoint_format": self.checkpoint_format,
-                **self.extra}
+                **({"lm_head": True} if self.quantized_head else {}), **self.extra}
 
     def is_quantized(self, prefix: str) -> bool:
+        if prefix == "lm_head":
+            return self.quantized_head
         if any(re.match(pattern, prefix) for pattern in self.skip_patterns):
             return False
         return super().is_quantized(prefix)
