@@ -237,13 +237,17 @@ SINGLE_STREAM_CONTEXTS = (128, 256, 512, 1024, 2048)  # batch-1 decode's context
 
 # the default split with shorter tiles or fewer stages, and with longer tiles over more warps: a 128- or 256-key
 # tile is one round trip where a 64-key partition walk is two to four (at 256 keys, one live partition a head and
-# no combine step); 4 stages of 128-key K and V tiles would not fit in an SM's shared memory
+# no combine step); 4 stages of 128-key K and V tiles would not fit in an SM's shared memory. PREFETCH_TILES 2: two
+# tiles loaded before the wait, two at least a partition (at 129-256 keys one partition and no combine step, which
+# cost ~2.6 us on the 7B in session 33)
 SINGLE_STREAM_HEADS = ((32, 32, 128), (32, 8, 128), (9, 3, 64))  # (heads, KV heads, head size): 7B, 8B, SmolLM2
 SINGLE_STREAM_TILES = [{"BLOCK_N": 32}, {"BLOCK_N": 32, "num_stages": 2}, {"num_stages": 2},
                        {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
                        {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1},
                        {"BLOCK_N": 256, "num_warps": 8, "num_stages": 1, "PREFETCH": False},
-                       {"BLOCK_N": 256, "num_warps": 16, "num_stages": 1}]
+                       {"BLOCK_N": 256, "num_warps": 16, "num_stages": 1},
+                       {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1, "PREFETCH_TILES": 2},
+                       {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "PREFETCH_TILES": 2}]
 
 
 def bench_decode_single_stream(extra: list, max_ctx: int = 4096) -> None:

@@ -561,6 +561,16 @@ def test_decode_attention_few_pairs_tile():
     check_decode_attention("cpu", torch.float16, [37, 128, 300], 4, 2, 32, 16, config=dict(FEW_PAIRS_TILE))
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("window", [0, 20])
+def test_decode_attention_two_tiles_before_the_wait(splits, window):
+    # PREFETCH_TILES = 2: each program loads two tiles before the wait and a partition holds two at least; the
+    # newest key in either prefetched tile or past them (a context of one key, one of 1-2 tiles, longer ones)
+    config = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFETCH": True, "PREFETCH_TILES": 2}
+    check_decode_attention("cpu", torch.float16, [1, 20, 32, 33, 100, 300], 4, 2, 32, 16, splits,
+                           sliding_window=window, config=config)
+
+
 @pytest.mark.parametrize("window,splits", [(1, None), (20, None), (37, 3), (64, 8)])
 def test_decode_attention_sliding_window(window, splits):
     # windows shorter than, equal to and longer than some contexts, across partition edges

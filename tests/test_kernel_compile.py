@@ -338,8 +338,12 @@ ATTENTION_STRIDES = {name: 4096 for name in ("stride_kb", "stride_kt", "stride_k
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("few_pairs", [False, True])
-def test_decode_attention_compiles_for_hopper(head_dim, split, few_pairs):
+@pytest.mark.parametrize("few_pairs,prefetch_tiles", [(False, 1), (True, 1), (True, 2)])
+def test_decode_attention_compiles_for_hopper(head_dim, split, few_pairs, prefetch_tiles):
+    """Every tile the launcher may pick, and the few-pairs tile with two tiles of keys held through the wait
+    (``PREFETCH_TILES``, timed by ``bench/kernels.py --only decode1``): no spills, within an SM's shared memory."""
+    if prefetch_tiles > 1 and not (split and decode_attention.prefetches_first_tile(split, head_dim)):
+        pytest.skip("tiles are loaded before the wait only where the KV is split, at head sizes up to 128")
     config = decode_attention._config(block_size=16, head_dim=head_dim, few_pairs=few_pairs)
     group = 4  # q heads per kv head
     args = {"q_ptr": F16, "k_cache": F16, "v_cache": F16, "block_tables": I32, "context_lens": I32, "out_ptr": F16,
@@ -351,7 +355,7 @@ def test_decode_attention_compiles_for_hopper(head_dim, split, few_pairs):
                 "BLOCK_SIZE": 16, "BLOCK_N": config["BLOCK_N"], "SPLIT": split,
                 "S_CHUNK": decode_attention.reduce_chunk(group, head_dim), "P_SPLIT": False,
                 "PREFETCH": decode_attention.prefetches_first_tile(split, head_dim),
-                "USE_PDL": True}.items()}}
+                "USE_PDL": True, "PREFETCH_TILES": prefetch_tiles}.items()}}
     kernel = compile_for_hopper(decode_attention._decode_kernel, args, config["num_warps"], config["num_stages"])
     assert kernel.spilled_bytes == 0 and kernel.shared_bytes <= HOPPER_SHARED_BYTES, kernel
 

@@ -145,6 +145,24 @@ def test_gpu_decode_attention_long_context_split_kv(dtype, kv_heads):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("kv_heads,head_dim,heads", [(32, 128, 32), (8, 128, 32), (3, 64, 9)])
+@pytest.mark.parametrize("block_n,warps", [(128, 8), (64, 4)])
+def test_gpu_decode_attention_two_tiles_before_the_wait(kv_heads, head_dim, heads, block_n, warps):
+    """Batch-1 decode with two tiles of keys loaded before the PDL wait (``PREFETCH_TILES``, timed by
+    ``bench/kernels.py --only decode1``), at the catalog's head shapes: contexts inside the first tile, across
+    both, and several partitions, at the split count the engine's graphs take for 4,096 tokens."""
+    from kernels.triton.decode_attention import choose_splits, reduce_chunk
+
+    config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": 1, "PREFETCH_TILES": 2}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = choose_splits(1, kv_heads, 4096, block_n, sms, reduce_chunk(heads // kv_heads, head_dim))
+    for ctx in (1, 100, 129, 256, 257, 1000, 4096):
+        _cases().check_decode_attention("cuda", torch.float16, [ctx], heads, kv_heads, head_dim, 16, splits,
+                                        config=config)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_heads", [32, 8])
 @pytest.mark.parametrize("block_size", [16, 32])

@@ -43,12 +43,12 @@ MIN_LOCKS = 4096  # counters made per KV cache on first use: (sequence, KV head)
 
 
 @triton.jit
-def _partition(ctx, window, num_splits, BLOCK_N: tl.constexpr):
-    # the visible keys [first, ctx) cut into whole tiles, one partition per split program at most ->
-    # (first key, keys per partition, live partitions >= 1)
+def _partition(ctx, window, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    # the visible keys [first, ctx) cut into whole tiles, at least MIN_TILES a partition, one partition per split
+    # program at most -> (first key, keys per partition, live partitions >= 1)
     first = tl.maximum(ctx - window, 0)
     span = ctx - first
-    size = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    size = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, MIN_TILES * BLOCK_N)
     return first, size, tl.maximum(tl.cdiv(span, size), 1)
 
 
@@ -181,15 +181,17 @@ def _decode_kernel(
     P_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr = 1,
 ):
     # grid = (sequences, KV heads, split programs); partials [pairs * num_splits * GROUP_P2, BLOCK_D] and their
-    # (max, sum) [.., 2], one row per (sequence, KV head, partition, query head)
+    # (max, sum) [.., 2], one row per (sequence, KV head, partition, query head). PREFETCH_TILES (with PREFETCH):
+    # tiles of keys loaded before the wait, and the least a partition holds
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
     ctx = tl.load(context_lens + seq)  # a step input: written before the previous kernel ran
-    first, size, live = _partition(ctx, window, num_splits, BLOCK_N)
+    first, size, live = _partition(ctx, window, num_splits, BLOCK_N, PREFETCH_TILES if PREFETCH else 1)
     # programs past the last partition have nothing to do, and return before waiting on the previous kernel:
     # at short contexts most of the graph's split programs are idle (7B at 256 tokens: 4 live of 17 a head), and
     # waiting held their SM slots until the qkv launch ended (suspected: the default 17 splits took 7.5 us there
@@ -211,9 +213,16 @@ def _decode_kernel(
             k_rows, v_rows = _kv_rows(bt_row, t, t < end, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
             k, v = _kv_tile(k_head, v_head, k_rows, v_rows, t < tl.minimum(end, ctx - 1), d, d_mask, BLOCK_D,
                             HEAD_DIM)
+            if PREFETCH_TILES == 2:  # the second tile too: a partition of two tiles is one round trip
+                t2 = t + BLOCK_N
+                k_rows2, v_rows2 = _kv_rows(bt_row, t2, t2 < end, stride_kb, stride_kt, stride_vb, stride_vt,
+                                            BLOCK_SIZE)
+                k2, v2 = _kv_tile(k_head, v_head, k_rows2, v_rows2, t2 < tl.minimum(end, ctx - 1), d, d_mask,
+                                  BLOCK_D, HEAD_DIM)
             newest = tl.maximum(ctx - 1, 0)
-            is_new = (t == ctx - 1) & (t < end)  # [BLOCK_N]: at most one, in the last partition's first tile
-            new_here = (d * 0 + ((newest >= start) & (newest < end) & (newest < start + BLOCK_N)).to(tl.int32)) > 0
+            is_new = (t == ctx - 1) & (t < end)  # [BLOCK_N]: at most one, in the last partition's prefetched tiles
+            prefetched_end = start + PREFETCH_TILES * BLOCK_N
+            new_here = (d * 0 + ((newest >= start) & (newest < end) & (newest < prefetched_end)).to(tl.int32)) > 0
             new_block = tl.load(bt_row + newest // BLOCK_SIZE).to(tl.int64)
             k_new_row = k_head + new_block * stride_kb + newest % BLOCK_SIZE * stride_kt
             v_new_row = v_head + new_block * stride_vb + newest % BLOCK_SIZE * stride_vt
@@ -232,10 +241,13 @@ def _decode_kernel(
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         rest = start
-        if PREFETCH:  # the first tile into the softmax, its newest row apart
+        if PREFETCH:  # the prefetched tiles into the softmax, the newest row apart
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, t < end, qk_scale, P_SPLIT, k_new, v_new, is_new,
                                           True)
-            rest = start + BLOCK_N
+            if PREFETCH_TILES == 2:
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k2, v2, t2 < end, qk_scale, P_SPLIT, k_new, v_new,
+                                              (t2 == ctx - 1) & (t2 < end), True)
+            rest = prefetched_end
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head, v_head, bt_row, rest, end, stride_kb, stride_kt,
                                 stride_vb, stride_vt, qk_scale, d, d_mask, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
                                 P_SPLIT)
@@ -277,7 +289,10 @@ def _config(block_size: int, head_dim: int = 128, few_pairs: bool = False) -> di
     7.93 -> 5.43 at 2,048; bench/kernels.py --only decode1, session 29; batch-1 decode +1.9% on the 7B, +2.1% on
     the 8B, +6.1% on SmolLM2, session 30). Heads wider than 128 (Gemma's 256) take 64 keys and 2 stages: 4
     stages of 64-key K and V tiles, or one of 128 keys, would need 256 KB of shared memory, more than a Hopper SM
-    has (not yet timed on a GPU)."""
+    has (not yet timed on a GPU). ``PREFETCH_TILES: 2`` in a config (not in any rule yet) loads a program's
+    first two tiles before the wait and gives each partition two at least: at 129-256 keys a head then takes one
+    partition instead of two and a combine step (7B at batch 1: 3.81 us at 128 keys, 6.40 at 256 with the
+    combine; H100, session 33). Compiled for sm_90 it holds 225-229 registers at head size 128, no spills."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if few_pairs and head_dim <= 128:
