@@ -362,19 +362,24 @@ def dense_plan_variants(n: int, k: int, sms: int):
 
 def int8_head_row(x: torch.Tensor, weights: list[torch.Tensor], copy_bw: float) -> dict:
     """The same head as int8 rows (--lm-head-quantization int8): the dense GEMV's int8 launch at one row, and the
-    W8A16 matmul against cuBLAS's fp16 one at the batched decode's 32 and 128 rows."""
+    W8A16 matmul against cuBLAS's fp16 one at 32-256 rows of batched decode, at the rule's tile and, from 64
+    rows, at the candidate tiles ``MANY_ROW_TILES``."""
     from engine.layers.linear import Int8Rows
-    from kernels.triton.w8a16 import w8a16_matmul
+    from kernels.triton.w8a16 import MANY_ROW_TILES, w8a16_matmul
 
     heads = [Int8Rows.quantize(w) for w in weights]
     n, k = weights[0].shape
     us = bench_graph([partial(dense_gemv, x, h.qweight, row_scales=h.scales) for h in heads]) * 1e3
     row = {"int8_us": round(us, 2), "int8_x_copy_bw": round((n * k + 2 * n + 2 * k) / (us * 1e-6) / 1e9 / copy_bw, 3)}
-    for m in (32, 128):
+    for m in (32, 64, 128, 256):
         xm = torch.randn(m, k, dtype=torch.float16, device=DEV)
         int8 = bench_graph([partial(w8a16_matmul, xm, h.qweight, h.scales) for h in heads]) * 1e3
         fp16 = bench_graph([partial(torch.nn.functional.linear, xm, w) for w in weights]) * 1e3
         row[f"int8_m{m}_us"], row[f"cublas_m{m}_us"] = round(int8, 2), round(fp16, 2)
+        for tile in MANY_ROW_TILES if m >= 64 else ():
+            name = "x".join(str(tile[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + f"/{tile['num_warps']}w"
+            timed = bench_graph([partial(w8a16_matmul, xm, h.qweight, h.scales, tile) for h in heads]) * 1e3
+            row[f"int8_m{m}_{name}_us"] = round(timed, 2)
     return row
 
 

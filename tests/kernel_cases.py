@@ -396,13 +396,20 @@ def check_dense_gemv(device: str, k: int, n: int, fusion: str, head_dim: int = 3
                   f"dense gemv {fusion} K={k} N={n} bias={bias} int8={int8}")
 
 
-def check_w8a16_matmul(device: str, m: int, k: int, n: int, dtype: torch.dtype = torch.float16) -> None:
-    """The int8 head's matmul for any rows (kernels/triton/w8a16.py) against reference.w8a16_matmul."""
+def check_w8a16_matmul(device: str, m: int, k: int, n: int, dtype: torch.dtype = torch.float16,
+                       config: dict | None = None) -> None:
+    """The int8 head's matmul for any rows (kernels/triton/w8a16.py) against reference.w8a16_matmul, at the
+    launcher's tile or ``config``'s."""
+    from kernels.triton.w8a16 import w8a16_matmul
+
     x = torch.randn(m, k, dtype=dtype, device=device)
     qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
     row_scales = ((torch.rand(n, device=device) + 0.5) / (73 * k**0.5)).to(dtype)
     poison(device, m * n * 2)
-    out = _ops().w8a16_matmul(x, qweight, row_scales)
+    if config is None:
+        out = _ops().w8a16_matmul(x, qweight, row_scales)
+    else:
+        out = w8a16_matmul(x, qweight, row_scales, config)
     wide = torch.float64 if device == "cpu" else torch.float32
     want = ((x.to(wide) @ qweight.to(wide).t()) * row_scales.to(wide)).to(dtype)
     assert_rel(out, want, TOL[dtype]["matmul"], f"w8a16 M={m} K={k} N={n} {dtype}")
@@ -824,6 +831,12 @@ def test_w8a16_matmul(m, k, n):
     """The int8 head's matmul under the interpreter's tiles (16 x 32, K steps of 32): K = 80 and 48 leave a
     masked last step, N = 72 and 40 a masked edge tile, M = 17 and 40 more than one row tile."""
     check_w8a16_matmul("cpu", m, k, n)
+
+
+def test_w8a16_matmul_given_tile():
+    # a tile passed in place of the rule's (bench/gemv.py times MANY_ROW_TILES so): rows past one M tile, K steps
+    # of 16 with a masked last one, an edge N tile
+    check_w8a16_matmul("cpu", 40, 72, 56, config={"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1})
 
 
 @pytest.mark.parametrize("fusion,split,block_n,block_k", [

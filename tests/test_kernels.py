@@ -340,6 +340,18 @@ def test_gpu_w8a16_matmul(m, k, n, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("m", [64, 100, 256])
+@pytest.mark.parametrize("tile", range(4))
+def test_gpu_w8a16_matmul_many_row_tiles(m, tile):
+    """The candidate tiles for many rows (``MANY_ROW_TILES``, timed by ``bench/gemv.py --dense``) on the 8B head,
+    an uneven row count among them."""
+    from kernels.triton.w8a16 import MANY_ROW_TILES
+
+    _cases().check_w8a16_matmul("cuda", m, 4096, 128256, torch.float16, config=MANY_ROW_TILES[tile])
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("window", [1, 100, 4096])
 def test_gpu_attention_sliding_window(window):
     # Mistral's 4,096-token window (and small ones) on contexts shorter and longer than it, split-KV decode included

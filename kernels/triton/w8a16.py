@@ -49,6 +49,16 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_w
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+MANY_ROW_TILES = [  # candidates for 64-256 rows, timed beside the rule by bench/gemv.py --dense (the rule took 587
+    # us on the 8B head at 128 rows against cuBLAS's fp16 376, H100, session 33): one M tile of 128 rows over 8
+    # warps reads the weight once. All compile for sm_90 without spills, in <= 160 KB of shared memory
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+]
+
+
 def w8a16_config(m: int, k: int) -> dict:
     """Tile of a launch: 16-64 rows of x (``tl.dot``'s least is 16; past 64 rows the M tiles share the weight
     tile through L2), 64 weight rows and 128 of K a step; not swept on a GPU yet."""
@@ -58,8 +68,10 @@ def w8a16_config(m: int, k: int) -> dict:
             "num_warps": 4, "num_stages": 3}
 
 
-def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp16/bf16 @ (qweight [N, K] int8 * row_scales [N])^T -> [M, N] in x's dtype."""
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scales: torch.Tensor,
+                 config: dict | None = None) -> torch.Tensor:
+    """x [M, K] fp16/bf16 @ (qweight [N, K] int8 * row_scales [N])^T -> [M, N] in x's dtype. ``config``: a tile
+    in place of ``w8a16_config``'s (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for timing others."""
     if x.dim() != 2 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1] or row_scales.shape != qweight.shape[:1]:
         raise ValueError(f"w8a16_matmul: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, row_scales "
                          f"{tuple(row_scales.shape)} disagree (qweight [N, K], row_scales [N])")
@@ -72,7 +84,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, row_scales: torch.Tenso
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = w8a16_config(m, k)
+    cfg = dict(config) if config is not None else w8a16_config(m, k)
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     grid = (cdiv(m, tiles["BLOCK_M"]), cdiv(n, tiles["BLOCK_N"]))
     _w8a16_kernel[grid](x, qweight, row_scales, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
