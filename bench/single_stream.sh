@@ -35,6 +35,11 @@
 #             cap, the fp16 7B launches likewise, then batch-1 decode of the 7B / 8B AWQ and the fp16 7B in both
 #             trees, one after the other: $OUT/kernels_gemv_x16.json, kernels_gemv_dense.json, latency_base.json
 #             and latency.json
+#   probes    the kernel timings prepared without a device (BENCHMARKS.md, session 33): batch-1 decode attention's
+#             tiles with PREFETCH_TILES 2 (bench/kernels.py --only decode1), the int8 head's W8A16 tiles for
+#             many rows against cuBLAS (bench/gemv.py --dense on the heads), and the x16 o / qkv launches at
+#             17-25 splits (bench/gemv.py --x16 --x16-warps 4,6,8): kernels_decode1.json,
+#             kernels_gemv_dense_heads.json, kernels_gemv_x16_splits.json
 #   kernels   bench/gemv.py: the int4 GEMV against GemLite and tinygemm, bench/kernels.py --only decode1 (batch-1
 #             decode attention's splits, tiles and stages), the fp16 GEMV against cuBLAS (and its plans); with
 #             $GEMV_BASELINE (an earlier w4a16_gemv.py), or .devcache/baseline_kernels
@@ -127,6 +132,16 @@ for step in "${steps[@]}"; do
           --models-dir "$MODELS_DIR" --only decode --output-len 256 --repeats 3 --out "$out_abs/$name") 2>&1 \
           | grep -E "decode|roofline|FAILED" | tee -a "$LOG"
       done ;;
+    probes)
+      say "batch-1 decode attention's tiles, two of them before the wait among them"
+      timeout 120 $PY bench/kernels.py --only decode1 --out "$OUT_DIR/kernels_decode1.json" 2>&1 \
+        | grep -E "^  paged decode|Error" | tee -a "$LOG"
+      say "the int8 head: one row, and the W8A16 matmul's tiles at 32-256 rows against cuBLAS"
+      timeout 120 $PY bench/gemv.py --dense --only "7B head,8B head" --out "$OUT_DIR/kernels_gemv_dense_heads.json" \
+        2>&1 | grep -E "^\{|Error" | tee -a "$LOG"
+      say "the fused layer's x16 launches at fewer splits (4-8 warps an SM)"
+      timeout 150 $PY bench/gemv.py --x16 --only 7B,8B --x16-warps 4,6,8 --out "$OUT_DIR/kernels_gemv_x16_splits.json" \
+        2>&1 | grep -E "^\{|Error" | tee -a "$LOG" ;;
     kernels)
       say "int4 GEMV at M = 1 against GemLite and tinygemm"
       timeout 150 $PY bench/gemv.py --only "8B,SmolLM2" --out "$OUT_DIR/kernels_gemv.json" 2>&1 \
