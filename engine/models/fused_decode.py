@@ -133,7 +133,7 @@ def decode_one_row(model, batch: ForwardBatch) -> torch.Tensor:
         return _gemv(model, model.lm_head, residual, norm_weight=model.norm, eps=eps, normed=normed).float()
     weight, row_scales = _head_weight(model.lm_head)
     logits = model.backend.dense_gemv(residual, weight, norm_weight=model.norm, eps=eps, normed=normed,
-                                      **({} if row_scales is None else {"row_scales": row_scales}))
+                                      row_scales=row_scales)
     return logits.float()  # [1, vocab]
 
 
